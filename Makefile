@@ -1,0 +1,42 @@
+# specrag: `make serve` and `make test` work on a fresh machine with nothing done by hand.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+export HF_HUB_OFFLINE := 1
+
+.PHONY: install test lint serve bench parity clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch is installed first and pinned, so pip takes the local CPU build instead of a
+# multi-GB CUDA build; everything else comes from the project's own pyproject.toml.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: install lint
+	$(PY) -m pytest
+
+# Until the agent issue lands, `serve` runs the decoding demo (see README).
+serve: install
+	$(VENV)/bin/specrag demo
+
+bench: install
+	$(VENV)/bin/specrag bench decode
+
+parity: install
+	$(PY) -m evals.parity --dtype float32
+	$(PY) -m evals.parity --dtype bfloat16
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""The agent loop, prompts, traces, HTTP server and the `specrag` CLI."""

@@ -1,0 +1,108 @@
+"""Lossless acceptance of drafted tokens (contract in DESIGN.md).
+
+Pure functions over tensors. Randomness only ever comes from the explicit
+``torch.Generator`` argument, never the global RNG.
+
+Greedy rule: plain greedy decoding commits argmax(target) at every position, so the
+accepted prefix is the longest run of draft tokens equal to those argmaxes, followed by
+the target's argmax at the first mismatch (or at the bonus position when all match).
+
+Sampling rule (Leviathan et al. 2023; Chen et al. 2023): draft token x at position i,
+drawn from q_i, is accepted with probability min(1, p_i(x) / q_i(x)). At the first
+rejection the committed token is drawn from the residual norm(max(0, p_i - q_i)); if all
+γ are accepted the bonus token is drawn from p_γ. Nothing after the first rejection is
+committed. The committed tokens are then distributed exactly as samples from p.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Below this residual mass the target and draft rows agree up to float rounding; the
+# rejection that led here had probability of about this mass, so drawing from p instead
+# of the (numerically meaningless) residual moves at most that much probability.
+RESIDUAL_MASS_EPS = 1e-9
+
+
+def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Greedy verification. ``draft_tokens`` [γ], ``target_logits`` [γ+1, V].
+
+    Returns ``(accepted_len, committed)`` with ``committed`` = accepted prefix + one
+    target token, so ``len(committed) == accepted_len + 1``.
+    """
+    gamma = draft_tokens.shape[0]
+    target_choice = target_logits.argmax(dim=-1)
+    matches = (draft_tokens == target_choice[:gamma]).to(torch.int64)
+    accepted_len = int(matches.cumprod(dim=0).sum())
+    # On the accepted prefix the draft equals the target's choice, so one slice suffices.
+    return accepted_len, target_choice[: accepted_len + 1].clone()
+
+
+def speculative_accept(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[int, torch.Tensor]:
+    """Sampling verification for one sequence.
+
+    ``draft_tokens`` [γ], ``draft_probs`` [γ, V] (one-hot for a deterministic drafter),
+    ``target_probs`` [γ+1, V]; both distributions already transformed (temperature,
+    top-k, top-p, grammar mask) and normalised. Returns ``(accepted_len, committed)``.
+    """
+    accepted_len, next_token = speculative_accept_batch(
+        draft_tokens[None], draft_probs[None], target_probs[None], generator
+    )
+    accepted = int(accepted_len[0])
+    committed = torch.cat([draft_tokens[:accepted], next_token])
+    return accepted, committed
+
+
+def speculative_accept_batch(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched form: [B, γ], [B, γ, V], [B, γ+1, V] -> (accepted_len [B], next_token [B]).
+
+    The committed tokens of row b are ``draft_tokens[b, :accepted_len[b]]`` then
+    ``next_token[b]``.
+    """
+    batch, gamma = draft_tokens.shape
+    q_of_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    accept_prob = _acceptance_probability(draft_tokens, draft_probs, target_probs)
+    uniforms = torch.rand((batch, gamma), generator=generator, dtype=accept_prob.dtype)
+    accepted = (uniforms < accept_prob).to(torch.int64)
+    accepted_len = accepted.cumprod(dim=-1).sum(dim=-1)
+
+    rows = torch.arange(batch)
+    # A zero row at index γ turns the residual at the bonus position into p itself.
+    q_padded = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, target_probs.shape[-1])], dim=1)
+    q_at_stop = q_padded[rows, accepted_len]
+    # A token the draft gave q(x) = 0 is rejected with certainty, so the committed token
+    # must be a plain sample from p: drop q from the residual there.
+    q_of_stop_token = torch.cat([q_of_draft, q_of_draft.new_ones(batch, 1)], dim=1)[rows, accepted_len]
+    q_at_stop = q_at_stop * (q_of_stop_token > 0)[:, None]
+    stop_dist = _residual_distribution(target_probs[rows, accepted_len], q_at_stop)
+    next_token = torch.multinomial(stop_dist, 1, generator=generator).squeeze(-1)
+    return accepted_len, next_token
+
+
+def _acceptance_probability(
+    draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor
+) -> torch.Tensor:
+    """min(1, p(x) / q(x)) per drafted position; 0 where q(x) = 0 ([B, γ])."""
+    gamma = draft_tokens.shape[1]
+    p_of_draft = target_probs[:, :gamma].gather(-1, draft_tokens[..., None]).squeeze(-1)
+    q_of_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    ratio = p_of_draft / q_of_draft.clamp_min(torch.finfo(q_of_draft.dtype).tiny)
+    return torch.where(q_of_draft > 0, ratio.clamp(max=1.0), torch.zeros_like(ratio))
+
+
+def _residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) per row, or p where that residual has (numerically) no mass."""
+    residual = (p - q).clamp_min(0.0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    no_mass = mass <= RESIDUAL_MASS_EPS
+    return torch.where(no_mass, p, residual / mass.clamp_min(RESIDUAL_MASS_EPS))

@@ -1,0 +1,29 @@
+"""The drafter protocol (DESIGN.md): propose candidates, then hear what was committed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class Draft:
+    """Proposed tokens. ``probs`` [len(tokens), V] holds the distributions they were
+    drawn from; None for a deterministic drafter (acceptance treats q as one-hot)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None
+    source: str
+
+
+class Drafter(Protocol):
+    def propose(self, context: Sequence[int], max_tokens: int) -> Draft:
+        """Up to ``max_tokens`` candidates continuing ``context`` (all committed tokens)."""
+        ...
+
+    def on_commit(self, committed: Sequence[int], accepted_len: int) -> None:
+        """The tokens committed this cycle (accepted prefix + one target token)."""
+        ...

@@ -1,0 +1,74 @@
+"""Drafting with a small model that shares the target's vocabulary.
+
+The drafter keeps its own KV cache. Each proposal first feeds the committed tokens it
+has not seen (the corrected or bonus token of the last cycle, or the whole prompt the
+first time), then decodes γ tokens one at a time, keeping the distribution q each was
+drawn from. On commit, its cache is cropped back to the committed prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from decoding.drafters.base import Draft
+from decoding.model import CausalLM
+from decoding.sampling import SamplingParams, probs_from_logits, sample
+
+SOURCE = "draft_model"
+
+
+class ModelDrafter:
+    def __init__(self, model: CausalLM, sampling: SamplingParams, generator: torch.Generator | None = None) -> None:
+        self.model = model
+        self.sampling = sampling
+        self.generator = generator
+        self.kv = model.new_kv()
+        self._context_len = 0
+        self._fed_drafts = 0
+        self._proposal_open = False
+
+    def propose(self, context: Sequence[int], max_tokens: int) -> Draft:
+        if max_tokens <= 0:
+            return Draft([], None, SOURCE)
+        logits = self._catch_up(context)
+        self._context_len = len(context)
+        self._fed_drafts = 0
+        self._proposal_open = True
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        for position in range(max_tokens):
+            if self.sampling.greedy:
+                token = int(logits.argmax())
+            else:
+                q = probs_from_logits(logits, self.sampling)
+                token = int(sample(q, self.generator))
+                rows.append(q)
+            tokens.append(token)
+            if position + 1 < max_tokens:
+                logits = self.model.forward(self.kv, [token], last_only=True)[-1]
+                self._fed_drafts += 1
+        return Draft(tokens, torch.stack(rows) if rows else None, SOURCE)
+
+    def on_commit(self, committed: Sequence[int], accepted_len: int) -> None:
+        if not self._proposal_open:
+            return  # a plain step: the cache still holds a prefix of the committed tokens
+        # Keep the context and the drafts that were accepted; later drafts were rejected.
+        self.kv.crop(self._context_len + min(accepted_len, self._fed_drafts))
+        self._proposal_open = False
+
+    def _catch_up(self, context: Sequence[int]) -> torch.Tensor:
+        """Feed the committed tokens the cache lacks; return the next-token logits."""
+        if len(self.kv) >= len(context):
+            # Every token is cached already but its logits are gone: recompute the last.
+            self.kv.crop(len(context) - 1)
+        missing = context[len(self.kv) :]
+        if len(self.kv) == 0:
+            return self.model.prefill(self.kv, missing)
+        return self.model.forward(self.kv, missing, last_only=True)[-1]
+
+    def cache_matches(self, context: Sequence[int]) -> bool:
+        """Debug check: the cache holds a prefix of ``context`` and nothing else."""
+        held = self.kv.token_ids
+        return held == list(context[: len(held)]) and self.kv.cached_length() == len(held)

@@ -1,0 +1,161 @@
+"""Loading a causal LM and running it over a sequence's KV cache.
+
+Token ids in, logits out. ``load_model`` takes a pack name (DESIGN.md), a local Hugging
+Face folder, a ``.gguf`` path (converted once to safetensors), or a hub id where a hub is
+reachable; this process sets ``HF_HUB_OFFLINE=1`` unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decoding import packs
+from decoding.kv import SequenceKV
+
+# Prompts longer than this are prefilled in chunks, so a long prompt never needs one
+# giant activation tensor.
+PREFILL_CHUNK_TOKENS = 1024
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def cpu_has_native_bf16() -> bool:
+    """True where the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX).
+
+    Measured on this project's AVX2-only machine (``python -m evals.bench_matmul``): a bf16
+    [9x576]x[576x1536] matmul ran at 10-15 GFLOP/s against fp32's 37-39, and a whole
+    SmolLM2-135M forward over 9 tokens took 210 ms in bf16 against 147 ms in fp32 (one
+    token: 55 vs 108 ms). There a bf16 verify costs about four decode steps and
+    speculation cannot pay, so fp32 is the faster default.
+    """
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None = None) -> torch.dtype:
+    """``auto``: bf16 on CUDA and on CPUs with native bf16 matmuls, float32 elsewhere."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+        "fp16": torch.float16,
+        "float16": torch.float16,
+        "fp32": torch.float32,
+        "float32": torch.float32,
+        "fp64": torch.float64,
+        "float64": torch.float64,
+    }
+    if dtype in names:
+        return names[dtype]
+    if dtype != "auto":
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, {', '.join(names)}")
+    device = device or resolve_device()
+    if device.type == "cuda" or cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+class CausalLM:
+    """A causal LM (any transformers ``*ForCausalLM``) plus its tokenizer, if any."""
+
+    def __init__(self, model: Any, tokenizer: Any = None, name: str = "model") -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    def eos_token_ids(self) -> set[int]:
+        """Every id that ends generation: generation config's eos plus the tokenizer's."""
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(item) for item in value)
+        return ids
+
+    def new_kv(self) -> SequenceKV:
+        return SequenceKV(self.config)
+
+    @torch.inference_mode()
+    def forward(self, kv: SequenceKV, token_ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
+        """Append ``token_ids`` to ``kv`` and return their logits as float32.
+
+        Returns [len(token_ids), V], or [1, V] for the last position when ``last_only``
+        (the vocabulary projection of the other positions is then skipped).
+        """
+        if not token_ids:
+            raise ValueError("forward needs at least one token")
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+        output = self.model(input_ids=ids, cache=kv.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+        kv.record(token_ids)
+        return output.logits[0].float()
+
+    def prefill(self, kv: SequenceKV, token_ids: Sequence[int]) -> torch.Tensor:
+        """Forward a prompt in chunks; returns the last position's logits [V]."""
+        logits = None
+        for start in range(0, len(token_ids), PREFILL_CHUNK_TOKENS):
+            chunk = token_ids[start : start + PREFILL_CHUNK_TOKENS]
+            logits = self.forward(kv, chunk, last_only=True)
+        if logits is None:
+            raise ValueError("prefill needs a non-empty prompt")
+        return logits[-1]
+
+
+def load_model(
+    spec: str | os.PathLike[str],
+    dtype: str | torch.dtype = "auto",
+    device: str = "auto",
+    progress: bool = True,
+) -> CausalLM:
+    """Load a pack by name, a local HF folder, a ``.gguf`` file, or a hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = _local_folder(str(spec), progress)
+    target_device = resolve_device(device)
+    target_dtype = resolve_dtype(dtype, target_device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=target_dtype).to(target_device)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return CausalLM(model, tokenizer, name=Path(spec).name if Path(spec).exists() else str(spec))
+
+
+def _local_folder(spec: str, progress: bool) -> str:
+    if spec in packs.PACKS:
+        return str(packs.pull(spec, progress=progress).path)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(packs.ensure_gguf_converted(path)[0])
+    if path.is_dir():
+        return str(path)
+    if path.exists() or spec.endswith(".gguf"):
+        raise packs.PackError(f"{spec!r} is neither a model folder nor a .gguf file")
+    return spec  # a hub id: transformers reports clearly if it is not reachable offline

@@ -1,0 +1,91 @@
+"""Per-request generation statistics (the ``GenerationStats`` contract of DESIGN.md)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    output_tokens: int = 0
+    target_calls: int = 0  # every target forward, the prefill included
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    # index i: draft tokens accepted / drafted at candidate position i
+    acceptance_by_position: list[int] = field(default_factory=list)
+    drafted_by_position: list[int] = field(default_factory=list)
+    # index a: verify cycles whose accepted prefix had length a
+    accepted_len_hist: list[int] = field(default_factory=list)
+    bonus_count: int = 0  # cycles where every draft was accepted and the bonus committed
+    wasted_verify_tokens: int = 0  # drafted tokens the target verified and rejected
+    gamma_per_cycle: list[int] = field(default_factory=list)  # 0 = a plain decode step
+    speculation_off_reasons: Counter[str] = field(default_factory=Counter)
+    accepted_by_source: Counter[str] = field(default_factory=Counter)
+    finish_reason: str | None = None
+    prefill_s: float = 0.0
+    decode_s: float = 0.0  # plain (non-speculative) steps
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    accept_s: float = 0.0
+    grammar_s: float = 0.0
+    rollback_s: float = 0.0
+
+    @property
+    def committed_per_call(self) -> float:
+        """Output tokens per target forward: 1.0 for plain decoding."""
+        return self.output_tokens / self.target_calls if self.target_calls else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    def record_verify(self, gamma: int, accepted_len: int, source: str) -> None:
+        self.gamma_per_cycle.append(gamma)
+        self.drafted_tokens += gamma
+        self.accepted_tokens += accepted_len
+        self.wasted_verify_tokens += gamma - accepted_len
+        self.bonus_count += accepted_len == gamma
+        self.accepted_by_source[source] += accepted_len
+        _grow(self.drafted_by_position, gamma)
+        _grow(self.acceptance_by_position, gamma)
+        _grow(self.accepted_len_hist, accepted_len + 1)
+        for position in range(gamma):
+            self.drafted_by_position[position] += 1
+        for position in range(accepted_len):
+            self.acceptance_by_position[position] += 1
+        self.accepted_len_hist[accepted_len] += 1
+
+    def record_plain(self, off_reason: str | None) -> None:
+        self.gamma_per_cycle.append(0)
+        if off_reason:
+            self.speculation_off_reasons[off_reason] += 1
+
+    @contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
+        """Add the wall time of the block to ``<stage>_s`` (monotonic clock)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            attribute = f"{stage}_s"
+            setattr(self, attribute, getattr(self, attribute) + time.perf_counter() - start)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["speculation_off_reasons"] = dict(self.speculation_off_reasons)
+        data["accepted_by_source"] = dict(self.accepted_by_source)
+        data["committed_per_call"] = self.committed_per_call
+        data["acceptance_rate"] = self.acceptance_rate
+        return data
+
+
+def _grow(counts: list[int], length: int) -> None:
+    if len(counts) < length:
+        counts.extend([0] * (length - len(counts)))

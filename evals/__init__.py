@@ -1,0 +1,1 @@
+"""Benchmarks and evals; they drive the public interfaces only."""

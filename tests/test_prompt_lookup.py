@@ -1,0 +1,111 @@
+"""Prompt-lookup drafting: matches, source preference, attribution, incremental indexing."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decoding.drafters import PromptLookupDrafter
+from decoding.drafters import prompt_lookup as lookup_module
+
+
+def test_continues_the_longest_match_in_the_prompt() -> None:
+    prompt = [1, 2, 3, 4, 5, 6, 9, 9, 2, 3]
+    drafter = PromptLookupDrafter(prompt, min_ngram=1, max_ngram=3)
+    draft = drafter.propose(prompt, 3)
+    assert draft.tokens == [4, 5, 6]
+    assert draft.source == "prompt"
+    assert draft.probs is None
+
+
+def test_longer_ngram_wins_over_a_more_recent_shorter_one() -> None:
+    # suffix [7, 2, 3]: the 3-gram occurs at the start (-> 8), the 2-gram [2, 3] later (-> 5)
+    prompt = [7, 2, 3, 8, 0, 2, 3, 5, 0, 7, 2, 3]
+    draft = PromptLookupDrafter(prompt, min_ngram=2, max_ngram=3).propose(prompt, 2)
+    assert draft.tokens == [8, 0]
+
+
+def test_output_so_far_is_preferred_and_grows_incrementally() -> None:
+    prompt = [10, 11, 12, 13]
+    drafter = PromptLookupDrafter(prompt, min_ngram=2, max_ngram=2)
+    context = [*prompt, 20, 21, 22, 11, 12]
+    assert drafter.propose(context, 4).source == "prompt"  # [11, 12] -> 13 in the prompt
+    context += [30, 11, 12]
+    draft = drafter.propose(context, 4)
+    assert draft.source == "output"  # most recent occurrence is now in the output
+    assert draft.tokens == [30, 11, 12]  # a continuation stops where the stream ends
+
+
+def test_passages_are_attributed_even_when_the_prompt_holds_the_same_text() -> None:
+    passage_a, passage_b = [40, 41, 42, 43, 44], [50, 51, 52, 53]
+    prompt = [1, *passage_a, *passage_b, 2, 51, 52]
+    drafter = PromptLookupDrafter(prompt, [passage_a, passage_b], passage_names=["P1", "P2"], max_ngram=2)
+    draft = drafter.propose(prompt, 5)
+    assert (draft.tokens, draft.source) == ([53], "P2")
+
+
+def test_passages_not_in_the_prompt_are_searched() -> None:
+    unseen_passage = [7, 8, 9, 10, 11]
+    prompt = [1, 2, 3, 7, 8]
+    draft = PromptLookupDrafter(prompt, [unseen_passage]).propose(prompt, 8)
+    assert (draft.tokens, draft.source) == ([9, 10, 11], "passage:0")
+
+
+def test_no_match_and_zero_budget_propose_nothing() -> None:
+    prompt = [1, 2, 3, 4]
+    drafter = PromptLookupDrafter(prompt)
+    assert drafter.propose([*prompt, 99], 5).tokens == []
+    assert drafter.propose([*prompt, 99, 1, 2], 0).tokens == []
+
+
+def test_the_trailing_ngram_never_matches_itself() -> None:
+    prompt = [5, 6, 7]
+    assert PromptLookupDrafter(prompt, min_ngram=1).propose(prompt, 4).tokens == []
+
+
+def test_indexing_work_per_step_does_not_grow_with_the_sources(monkeypatch: pytest.MonkeyPatch) -> None:
+    long_prompt = list(range(1000)) * 32  # 32k tokens of sources
+    drafter = PromptLookupDrafter(long_prompt, [long_prompt[:2000]])
+    calls = []
+    original = PromptLookupDrafter._ngrams_ending_before
+    monkeypatch.setattr(
+        PromptLookupDrafter,
+        "_ngrams_ending_before",
+        lambda self, tokens, position: calls.append(position) or original(self, tokens, position),
+    )
+    context = list(long_prompt)
+    for token in (5, 6, 7):
+        context.append(token)
+        drafter.propose(context, 8)
+    assert len(calls) == 3  # one new token indexed per step, nothing rescanned
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.integers(0, 5), min_size=1, max_size=40),
+    st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=15), max_size=3),
+    st.integers(1, 3),
+    st.integers(1, 2),
+    st.integers(1, 6),
+)
+def test_every_proposal_is_a_real_continuation_of_a_matched_ngram(
+    context: list[int], passages: list[list[int]], max_ngram: int, min_ngram: int, budget: int
+) -> None:
+    min_ngram = min(min_ngram, max_ngram)
+    split = len(context) // 2 or 1
+    drafter = PromptLookupDrafter(context[:split], passages, min_ngram=min_ngram, max_ngram=max_ngram)
+    draft = drafter.propose(context, budget)
+    assert len(draft.tokens) <= budget
+    if not draft.tokens:
+        return
+    # In the stream a match may not be the trailing n-gram itself (start < len(context)).
+    sources = {"prompt": context, "output": context, lookup_module.NO_MATCH: []}
+    sources.update({f"passage:{index}": passage for index, passage in enumerate(passages)})
+    source_tokens = sources[draft.source]
+    assert any(
+        source_tokens[start - n : start] == context[-n:]
+        and source_tokens[start : start + len(draft.tokens)] == draft.tokens
+        for n in range(min_ngram, max_ngram + 1)
+        for start in range(n, len(source_tokens))
+    )

@@ -1,0 +1,1 @@
+"""`@tool` functions, schemas and execution (arrives with the tools issue)."""
