@@ -1,31 +1,45 @@
-"""specrag's decoder: token ids in, token ids out. Knows nothing of text or HTTP."""
+"""specrag's decoder: token ids in, token ids out. Knows nothing of text or HTTP.
 
-from decoding.acceptance import greedy_accept, speculative_accept, speculative_accept_batch
-from decoding.drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
-from decoding.engine import Engine, GenerationEvent, GenerationRequest
-from decoding.model import CausalLM, load_model
-from decoding.packs import PACKS, PackChecksumError, PackError, pull
-from decoding.sampling import SamplingParams, probs_from_logits
-from decoding.stats import GenerationStats
+Names are imported lazily (PEP 562), so ``import decoding.packs`` (the CLI's pack list)
+does not pay for torch and transformers.
+"""
 
-__all__ = [
-    "PACKS",
-    "CausalLM",
-    "Draft",
-    "Drafter",
-    "Engine",
-    "GenerationEvent",
-    "GenerationRequest",
-    "GenerationStats",
-    "ModelDrafter",
-    "PackChecksumError",
-    "PackError",
-    "PromptLookupDrafter",
-    "SamplingParams",
-    "greedy_accept",
-    "load_model",
-    "probs_from_logits",
-    "pull",
-    "speculative_accept",
-    "speculative_accept_batch",
-]
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+# Before anything imports transformers or huggingface_hub, which read it once: no code
+# path of specrag may reach a model hub unless the user explicitly allows it.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+_EXPORTS = {
+    "greedy_accept": "decoding.acceptance",
+    "speculative_accept": "decoding.acceptance",
+    "speculative_accept_batch": "decoding.acceptance",
+    "Draft": "decoding.drafters",
+    "Drafter": "decoding.drafters",
+    "ModelDrafter": "decoding.drafters",
+    "PromptLookupDrafter": "decoding.drafters",
+    "Engine": "decoding.engine",
+    "GenerationEvent": "decoding.engine",
+    "GenerationRequest": "decoding.engine",
+    "CausalLM": "decoding.model",
+    "load_model": "decoding.model",
+    "PACKS": "decoding.packs",
+    "PackChecksumError": "decoding.packs",
+    "PackError": "decoding.packs",
+    "pull": "decoding.packs",
+    "SamplingParams": "decoding.sampling",
+    "probs_from_logits": "decoding.sampling",
+    "GenerationStats": "decoding.stats",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'decoding' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

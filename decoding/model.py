@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from decoding import packs
+from decoding.fast_paths import install_fast_paths
 from decoding.kv import SequenceKV
 
 # Prompts longer than this are prefilled in chunks, so a long prompt never needs one
@@ -71,8 +72,9 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None
 class CausalLM:
     """A causal LM (any transformers ``*ForCausalLM``) plus its tokenizer, if any."""
 
-    def __init__(self, model: Any, tokenizer: Any = None, name: str = "model") -> None:
-        self.model = model.eval()
+    def __init__(self, model: Any, tokenizer: Any = None, name: str = "model", fast_paths: bool = True) -> None:
+        self.model = install_fast_paths(model.eval()) if fast_paths else model.eval()
+        self.fast_paths = fast_paths
         self.tokenizer = tokenizer
         self.name = name
 
@@ -104,7 +106,7 @@ class CausalLM:
         return ids
 
     def new_kv(self) -> SequenceKV:
-        return SequenceKV(self.config)
+        return SequenceKV(self.config, growable=self.fast_paths)
 
     @torch.inference_mode()
     def forward(self, kv: SequenceKV, token_ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
@@ -136,6 +138,7 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str = "auto",
     progress: bool = True,
+    fast_paths: bool = True,
 ) -> CausalLM:
     """Load a pack by name, a local HF folder, a ``.gguf`` file, or a hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -145,7 +148,8 @@ def load_model(
     target_dtype = resolve_dtype(dtype, target_device)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=target_dtype).to(target_device)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return CausalLM(model, tokenizer, name=Path(spec).name if Path(spec).exists() else str(spec))
+    name = Path(spec).name if Path(spec).exists() else str(spec)
+    return CausalLM(model, tokenizer, name=name, fast_paths=fast_paths)
 
 
 def _local_folder(spec: str, progress: bool) -> str:
