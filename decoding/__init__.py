@@ -23,8 +23,8 @@ _EXPORTS = {
     "ModelDrafter": "decoding.drafters",
     "PromptLookupDrafter": "decoding.drafters",
     "Engine": "decoding.engine",
-    "GenerationEvent": "decoding.engine",
-    "GenerationRequest": "decoding.engine",
+    "GenerationEvent": "decoding.request",
+    "GenerationRequest": "decoding.request",
     "CausalLM": "decoding.model",
     "load_model": "decoding.model",
     "PACKS": "decoding.packs",
@@ -34,6 +34,8 @@ _EXPORTS = {
     "SamplingParams": "decoding.sampling",
     "probs_from_logits": "decoding.sampling",
     "GenerationStats": "decoding.stats",
+    "CostModel": "decoding.policy",
+    "PolicyConfig": "decoding.policy",
 }
 
 __all__ = list(_EXPORTS)

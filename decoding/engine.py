@@ -10,52 +10,43 @@ run the same model calls, and ``speculation="off"`` is the baseline through this
 Invariant checked after every cycle in debug mode: target cache == committed tokens
 minus the pending one; a model drafter's cache holds a prefix of the committed tokens,
 and it ingests the rest (the corrected or bonus token) before its next proposal.
+
+The policy (``decoding/policy.py``) decides each cycle's γ; every forward's wall time is
+fed back into its cost model, around the maths, never inside it.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import secrets
-from collections.abc import Collection, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
-from decoding import policy
+from decoding import policy as policies
 from decoding.acceptance import greedy_accept, speculative_accept
 from decoding.drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
 from decoding.kv import SequenceKV
 from decoding.model import CausalLM
-from decoding.policy import Speculation
-from decoding.sampling import SamplingParams, probs_from_logits, select_token
+from decoding.policy import CostModel, PolicyConfig, RequestPolicy
+from decoding.request import (
+    DrafterKind,
+    GenerationEvent,
+    GenerationRequest,
+    apply_processors,
+    speculation_supported,
+    validate,
+)
+from decoding.sampling import probs_from_logits, select_token
 from decoding.stats import GenerationStats
 
-DrafterKind = Literal["lookup", "model"]
+__all__ = ["Engine", "GenerationEvent", "GenerationRequest"]
 
-
-@dataclass
-class GenerationRequest:
-    prompt_tokens: Sequence[int]
-    max_tokens: int = 256
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    speculation: Speculation = "auto"
-    num_speculative_tokens: int = 8  # γ, the most candidates drafted per cycle
-    drafter: DrafterKind | None = None  # None: the engine's default
-    lookup_sources: Sequence[Sequence[int]] = ()  # passages for prompt lookup, as token ids
-    lookup_source_names: Sequence[str] | None = None
-    stop_token_ids: Collection[int] | None = None  # None: the target's EOS ids
-    stop_sequences: Sequence[Sequence[int]] = ()  # token-id sequences that end generation
-
-
-@dataclass
-class GenerationEvent:
-    seq_id: int
-    token_ids: list[int]  # tokens committed by this cycle, in order
-    finished: bool = False
-    finish_reason: str | None = None  # "stop", "length" or "cancelled"
-    stats: GenerationStats | None = None  # on the final event
+_CALIBRATION_CONTEXT = 256  # tokens of synthetic context the cost model is measured at
 
 
 @dataclass
@@ -65,6 +56,7 @@ class _Sequence:
     tokens: list[int]
     kv: SequenceKV
     drafter: Drafter | None
+    policy: RequestPolicy
     generator: torch.Generator
     stop_ids: frozenset[int]
     stats: GenerationStats
@@ -85,6 +77,8 @@ class Engine:
         default_drafter: DrafterKind | None = None,
         min_ngram: int = 2,
         max_ngram: int = 4,
+        policy: PolicyConfig | None = None,
+        cost_model: CostModel | None = None,
         debug: bool | None = None,
     ) -> None:
         if draft is not None and draft.vocab_size != target.vocab_size:
@@ -97,6 +91,8 @@ class Engine:
         self.default_drafter: DrafterKind = default_drafter or ("model" if draft is not None else "lookup")
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
+        self.policy_config = policy or PolicyConfig()
+        self.cost_model = cost_model
         self.debug = debug if debug is not None else os.environ.get("SPECRAG_DEBUG") == "1"
         self._eos_ids = frozenset(target.eos_token_ids())
         self._active: dict[int, _Sequence] = {}
@@ -106,17 +102,22 @@ class Engine:
 
     def add(self, request: GenerationRequest) -> int:
         """Queue a request; returns its sequence id. Raises ValueError on bad input."""
-        drafter_kind = self._validate(request)
+        drafter_kind = validate(request, self.default_drafter, self.draft is not None)
+        if request.speculation == "auto" and self.cost_model is None:
+            self.calibrate()
         seq_id = next(self._ids)
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
         generator = torch.Generator().manual_seed(seed)
         stop_ids = self._eos_ids if request.stop_token_ids is None else frozenset(request.stop_token_ids)
+        request_policy = RequestPolicy(request.speculation, request.num_speculative_tokens, self.policy_config,
+                                       self.cost_model, supported=speculation_supported(request))  # fmt: skip
         self._active[seq_id] = _Sequence(
             seq_id=seq_id,
             request=request,
             tokens=list(request.prompt_tokens),
             kv=self.target.new_kv(),
             drafter=self._make_drafter(request, drafter_kind, generator),
+            policy=request_policy,
             generator=generator,
             stop_ids=stop_ids,
             stats=GenerationStats(prompt_tokens=len(request.prompt_tokens)),
@@ -143,6 +144,12 @@ class Engine:
         finally:
             self.cancel(seq_id)
 
+    def calibrate(self) -> CostModel:
+        """Measure the cost model: target forwards over 1..16 tokens, draft token costs."""
+        draft_timer = _ForwardTimer(self.draft) if self.draft is not None else None
+        self.cost_model = CostModel.measure(_ForwardTimer(self.target), draft_timer)
+        return self.cost_model
+
     # -- one cycle ------------------------------------------------------------------------
 
     def _step_sequences(self, sequences: list[_Sequence]) -> list[GenerationEvent]:
@@ -164,28 +171,48 @@ class Engine:
     def _advance(self, seq: _Sequence) -> list[int]:
         if not seq.prefilled:
             return self._prefill(seq)
-        request = seq.request
-        gamma, off_reason = policy.choose_gamma(
-            request.speculation, request.num_speculative_tokens, request.max_tokens - seq.output_len
+        if seq.drafter is None:
+            return self._plain_step(seq, policies.OFF_BY_REQUEST)
+        is_model = isinstance(seq.drafter, ModelDrafter)
+        plan = seq.policy.before_drafting(
+            remaining_tokens=seq.request.max_tokens - seq.output_len,
+            active_sequences=len(self._active),
+            setup_tokens=len(seq.tokens) if is_model and not len(seq.drafter.kv) else 0,  # type: ignore[union-attr]
+            drafter_cost_per_token=self.cost_model.draft_token_seconds if is_model and self.cost_model else 0.0,
+            drafter_source="draft_model" if is_model else None,
+            min_output_tokens=seq.request.min_tokens_for_speculation,
         )
-        if gamma > 0 and seq.drafter is not None:
-            with seq.stats.timed("draft"):
-                draft = seq.drafter.propose(seq.tokens, gamma)
-            if draft.tokens:
-                return self._speculative_step(seq, draft)
-            off_reason = policy.NO_PROPOSAL
-        return self._plain_step(seq, off_reason)
+        if plan.gamma == 0:
+            return self._plain_step(seq, plan.reason)
+        with seq.stats.timed("draft"):
+            start = time.perf_counter()
+            draft = seq.drafter.propose(seq.tokens, plan.gamma)
+            if is_model and draft.tokens and self.cost_model is not None:
+                self.cost_model.observe_draft_token((time.perf_counter() - start) / len(draft.tokens))
+        if not draft.tokens:
+            return self._plain_step(seq, policies.NO_PROPOSAL)
+        choice = policies.Decision(len(draft.tokens), plan.reason) if is_model else seq.policy.for_draft(
+            draft.source, len(draft.tokens)
+        )  # fmt: skip
+        if choice.gamma == 0:
+            return self._plain_step(seq, choice.reason)
+        seq.stats.probe_cycles += choice.reason == "probe"
+        return self._speculative_step(seq, _truncate(draft, choice.gamma))
 
     def _prefill(self, seq: _Sequence) -> list[int]:
         with seq.stats.timed("prefill"):
             logits = self.target.prefill(seq.kv, seq.tokens)
+            logits = apply_processors(seq.request.logits_processors, seq.tokens, logits)
         seq.stats.target_calls += 1
         seq.prefilled = True
         return self._commit(seq, [select_token(logits, seq.request.sampling, seq.generator)])
 
     def _plain_step(self, seq: _Sequence, off_reason: str | None) -> list[int]:
         with seq.stats.timed("decode"):
+            start = time.perf_counter()
             logits = self.target.forward(seq.kv, seq.tokens[-1:], last_only=True)[-1]
+            self._observe_forward(1, start)
+            logits = apply_processors(seq.request.logits_processors, seq.tokens, logits)
             token = select_token(logits, seq.request.sampling, seq.generator)
         seq.stats.target_calls += 1
         seq.stats.record_plain(off_reason)
@@ -196,7 +223,9 @@ class Engine:
     def _speculative_step(self, seq: _Sequence, draft: Draft) -> list[int]:
         kept_before = len(seq.kv)
         with seq.stats.timed("verify"):
+            start = time.perf_counter()
             target_logits = self.target.forward(seq.kv, [seq.tokens[-1], *draft.tokens])
+            self._observe_forward(len(draft.tokens) + 1, start)
         seq.stats.target_calls += 1
         with seq.stats.timed("accept"):
             accepted_len, committed = self._accept(seq, draft, target_logits)
@@ -205,10 +234,16 @@ class Engine:
             seq.kv.crop(kept_before + 1 + accepted_len)
             assert seq.drafter is not None
             seq.drafter.on_commit(committed, accepted_len)
+        seq.policy.observe(draft.source, len(draft.tokens), accepted_len)
         seq.stats.record_verify(len(draft.tokens), accepted_len, draft.source)
         return self._commit(seq, committed)
 
     def _accept(self, seq: _Sequence, draft: Draft, target_logits: torch.Tensor) -> tuple[int, list[int]]:
+        processors = seq.request.logits_processors
+        if processors:  # row i follows the committed tokens and the first i drafts
+            rows = [apply_processors(processors, [*seq.tokens, *draft.tokens[:i]], row)
+                    for i, row in enumerate(target_logits)]  # fmt: skip
+            target_logits = torch.stack(rows)
         draft_tokens = torch.tensor(draft.tokens, dtype=torch.long)
         sampling = seq.request.sampling
         if sampling.greedy:
@@ -217,7 +252,7 @@ class Engine:
             target_probs = probs_from_logits(target_logits, sampling)
             draft_probs = draft.probs
             if draft_probs is None:  # a deterministic drafter: q is one-hot on its token
-                draft_probs = torch.zeros(len(draft.tokens), target_probs.shape[-1])
+                draft_probs = torch.zeros(len(draft.tokens), target_probs.shape[-1], dtype=target_probs.dtype)
                 draft_probs.scatter_(1, draft_tokens[:, None], 1.0)
             accepted_len, committed = speculative_accept(draft_tokens, draft_probs, target_probs, seq.generator)
         return accepted_len, committed.tolist()
@@ -244,25 +279,11 @@ class Engine:
                 return True
         return False
 
-    # -- set-up and checks --------------------------------------------------------------
+    def _observe_forward(self, tokens: int, start: float) -> None:
+        if self.cost_model is not None:
+            self.cost_model.observe_forward(tokens, time.perf_counter() - start)
 
-    def _validate(self, request: GenerationRequest) -> DrafterKind:
-        if not request.prompt_tokens:
-            raise ValueError("prompt_tokens must not be empty")
-        if request.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
-        if request.speculation not in policy.SPECULATION_MODES:
-            raise ValueError(f"speculation must be one of {policy.SPECULATION_MODES}, got {request.speculation!r}")
-        if request.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {request.num_speculative_tokens}")
-        if any(not stop for stop in request.stop_sequences):
-            raise ValueError("stop_sequences must not contain an empty sequence")
-        kind = request.drafter or self.default_drafter
-        if kind not in ("lookup", "model"):
-            raise ValueError(f"drafter must be 'lookup' or 'model', got {kind!r}")
-        if kind == "model" and self.draft is None:
-            raise ValueError("drafter='model' needs an engine built with a draft model")
-        return kind
+    # -- set-up and checks --------------------------------------------------------------
 
     def _make_drafter(
         self, request: GenerationRequest, kind: DrafterKind, generator: torch.Generator
@@ -271,7 +292,9 @@ class Engine:
             return None
         if kind == "model":
             assert self.draft is not None
-            return ModelDrafter(self.draft, request.sampling, generator)
+            processors = request.logits_processors
+            processor = functools.partial(apply_processors, processors) if processors else None
+            return ModelDrafter(self.draft, request.sampling, generator, processor)
         return PromptLookupDrafter(
             request.prompt_tokens,
             request.lookup_sources,
@@ -289,3 +312,30 @@ class Engine:
             )
         if isinstance(seq.drafter, ModelDrafter) and not seq.drafter.cache_matches(seq.tokens):
             raise AssertionError(f"seq {seq.seq_id}: draft cache is not a prefix of the committed tokens")
+
+
+def _truncate(draft: Draft, gamma: int) -> Draft:
+    if gamma >= len(draft.tokens):
+        return draft
+    probs = draft.probs[:gamma] if draft.probs is not None else None
+    return Draft(draft.tokens[:gamma], probs, draft.source)
+
+
+class _ForwardTimer:
+    """Times forwards over k new tokens after a fixed synthetic context, prefilled once."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self.model = model
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, model.vocab_size, (_CALIBRATION_CONTEXT + 64,), generator=generator).tolist()
+        self.kv: SequenceKV | None = None
+
+    def __call__(self, tokens: int) -> float:
+        if self.kv is None:
+            self.kv = self.model.new_kv()
+            self.model.prefill(self.kv, self.ids[:_CALIBRATION_CONTEXT])
+        start = time.perf_counter()
+        self.model.forward(self.kv, self.ids[_CALIBRATION_CONTEXT : _CALIBRATION_CONTEXT + tokens])
+        seconds = time.perf_counter() - start
+        self.kv.crop(_CALIBRATION_CONTEXT)
+        return seconds

@@ -1,12 +1,26 @@
 """How many tokens to draft this cycle, or why not to draft at all.
 
-``off`` never drafts; ``on`` drafts a fixed γ; ``auto`` drafts the configured γ for now
-(the measured cost model and recovering gates arrive with the speed issue). Every
-plain step taken in a speculative mode records its reason in ``GenerationStats``.
+``off`` never drafts; ``on`` verifies every proposal up to a fixed γ; ``auto`` chooses γ
+per cycle to maximise expected committed tokens per second,
+
+    rate(γ) = E[committed](γ) / (T_draft(γ) + T_verify(γ + 1)),   rate(0) = 1 / T_verify(1),
+
+with E[committed](γ) = 1 + Σ_{i≤γ} Π_{j≤i} a_j from per-position acceptance estimates a_j
+(EWMA, per request and per drafter source) and T from a cost model measured at start-up
+and refreshed by every forward the engine runs. Choosing γ = 0 is the low-acceptance gate;
+it recovers by probing again after ``probe_interval`` declined cycles, so a request that
+turns copy-heavy regains speculation. Gates that never draft, each with its reason:
+``off``, ``max_tokens``, ``short_output``, ``batch_saturated``, ``unsupported``,
+``low_acceptance`` and (from the engine) ``no_proposal``.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Literal
 
 Speculation = Literal["auto", "on", "off"]
@@ -14,15 +28,219 @@ SPECULATION_MODES: tuple[str, ...] = ("auto", "on", "off")
 
 OFF_BY_REQUEST = "off"
 NEAR_MAX_TOKENS = "max_tokens"  # one token left: a verify could commit no more than a plain step
+SHORT_OUTPUT = "short_output"  # too few tokens to pay back the drafter's set-up (e.g. its prefill)
+BATCH_SATURATED = "batch_saturated"  # enough sequences share the target already
+UNSUPPORTED = "unsupported"  # e.g. a logits processor that cannot be applied to q
+LOW_ACCEPTANCE = "low_acceptance"  # the measured acceptance makes a plain step faster
 NO_PROPOSAL = "no_proposal"  # the drafter had nothing to offer
 
+FORWARD_TOKEN_COUNTS = (1, 2, 4, 8, 16)
 
-def choose_gamma(mode: Speculation, max_gamma: int, remaining_tokens: int) -> tuple[int, str | None]:
-    """Return (γ, reason); γ = 0 means a plain step, and reason says why."""
-    if mode == "off":
-        return 0, OFF_BY_REQUEST
-    # A cycle commits at most γ + 1 tokens; drafting past max_tokens only wastes verify work.
-    gamma = min(max_gamma, remaining_tokens - 1)
-    if gamma <= 0:
-        return 0, NEAR_MAX_TOKENS
-    return gamma, None
+
+class CostModel:
+    """Seconds of one target forward over k new tokens, and of one draft token.
+
+    Seeded by a measurement and refreshed by every forward the engine runs (EWMA per k),
+    so it follows the context length and the machine's load. Between measured k the cost
+    is interpolated linearly; beyond the largest, extrapolated from the last two points.
+    """
+
+    def __init__(self, forward_seconds: dict[int, float], draft_token_seconds: float = 0.0,
+                 draft_prefill_token_seconds: float = 0.0, decay: float = 0.2) -> None:  # fmt: skip
+        if 1 not in forward_seconds:
+            raise ValueError("the cost model needs the cost of a one-token forward")
+        self._forward = dict(forward_seconds)
+        self.draft_token_seconds = draft_token_seconds
+        self.draft_prefill_token_seconds = draft_prefill_token_seconds
+        self.decay = decay
+
+    @classmethod
+    def measure(cls, forward: Callable[[int], float], draft_forward: Callable[[int], float] | None = None,
+                counts: tuple[int, ...] = FORWARD_TOKEN_COUNTS, repeats: int = 2) -> CostModel:  # fmt: skip
+        """``forward(k)`` / ``draft_forward(k)`` run one forward over k tokens and return seconds."""
+        forward(1)  # warm-up: first calls allocate
+        seconds = {count: min(forward(count) for _ in range(repeats)) for count in counts}
+        draft_token = draft_prefill = 0.0
+        if draft_forward is not None:
+            draft_forward(1)
+            draft_token = min(draft_forward(1) for _ in range(repeats))
+            draft_prefill = min(draft_forward(64) for _ in range(repeats)) / 64
+        return cls(seconds, draft_token, draft_prefill)
+
+    def forward_seconds(self, tokens: int) -> float:
+        counts = sorted(self._forward)
+        if tokens in self._forward:
+            return self._forward[tokens]
+        index = bisect.bisect_left(counts, tokens)
+        if index == 0:
+            return self._forward[counts[0]]
+        if index == len(counts):
+            if len(counts) == 1:
+                return self._forward[counts[0]] * tokens
+            low, high = counts[-2], counts[-1]
+        else:
+            low, high = counts[index - 1], counts[index]
+        slope = (self._forward[high] - self._forward[low]) / (high - low)
+        return max(self._forward[low] + slope * (tokens - low), self._forward[counts[0]])
+
+    def observe_forward(self, tokens: int, seconds: float) -> None:
+        # A k seen for the first time starts from the interpolated estimate, like any other.
+        previous = self.forward_seconds(tokens)
+        self._forward[tokens] = (1 - self.decay) * previous + self.decay * seconds
+
+    def observe_draft_token(self, seconds: float) -> None:
+        self.draft_token_seconds = (1 - self.decay) * self.draft_token_seconds + self.decay * seconds
+
+
+def timed(function: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    function()
+    return time.perf_counter() - start
+
+
+@dataclass
+class PolicyConfig:
+    max_gamma: int = 8  # most draft tokens auto will verify at once
+    acceptance_prior: float = 0.6  # optimistic start: the first cycles measure the real rate
+    acceptance_decay: float = 0.3  # EWMA weight of the newest observation
+    probe_interval: int = 8  # declined cycles before a probe re-measures acceptance
+    probe_gamma: int = 2  # tokens verified by a probe
+    min_output_tokens: int | None = None  # below this max_tokens, never draft (None: from cost model)
+    max_active_sequences: int | None = None  # more active sequences than this: never draft
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Per-position acceptance, conditional on the earlier positions being accepted."""
+
+    prior: float
+    decay: float
+    rates: list[float] = field(default_factory=list)
+    declined: int = 0  # consecutive cycles the policy chose γ = 0 for this source
+
+    def rate(self, position: int) -> float:
+        return self.rates[position] if position < len(self.rates) else self.prior
+
+    def observe(self, gamma: int, accepted_len: int) -> None:
+        # Positions up to the first rejection were observed; later ones were not.
+        for position in range(min(accepted_len + 1, gamma)):
+            if position >= len(self.rates):
+                self.rates.append(self.prior)
+            seen = 1.0 if position < accepted_len else 0.0
+            self.rates[position] = (1 - self.decay) * self.rates[position] + self.decay * seen
+
+    def expected_committed(self, gamma: int) -> float:
+        expected, survive = 1.0, 1.0
+        for position in range(gamma):
+            survive *= self.rate(position)
+            expected += survive
+        return expected
+
+
+def best_gamma(estimate: AcceptanceEstimate, cost: CostModel, draft_token_seconds: float, max_gamma: int
+               ) -> tuple[int, float]:  # fmt: skip
+    """The γ in 0..max_gamma with the highest expected committed tokens per second."""
+    best, best_rate = 0, 1.0 / cost.forward_seconds(1)
+    for gamma in range(1, max_gamma + 1):
+        seconds = gamma * draft_token_seconds + cost.forward_seconds(gamma + 1)
+        rate = estimate.expected_committed(gamma) / seconds
+        if rate > best_rate:
+            best, best_rate = gamma, rate
+    return best, best_rate
+
+
+@dataclass
+class Decision:
+    gamma: int  # 0: a plain step
+    reason: str | None = None  # why not speculating, or "probe"
+
+
+class RequestPolicy:
+    """The per-request state of the policy: mode, acceptance estimates, probe counters."""
+
+    def __init__(self, mode: Speculation, fixed_gamma: int, config: PolicyConfig, cost: CostModel | None,
+                 supported: bool = True) -> None:  # fmt: skip
+        self.mode = mode
+        self.fixed_gamma = fixed_gamma
+        self.config = config
+        self.cost = cost
+        self.supported = supported
+        self._estimates: dict[str, AcceptanceEstimate] = {}
+
+    def estimate(self, source: str) -> AcceptanceEstimate:
+        if source not in self._estimates:
+            self._estimates[source] = AcceptanceEstimate(self.config.acceptance_prior, self.config.acceptance_decay)
+        return self._estimates[source]
+
+    def before_drafting(self, remaining_tokens: int, active_sequences: int, setup_tokens: int,
+                        drafter_cost_per_token: float, drafter_source: str | None,
+                        min_output_tokens: int | None = None) -> Decision:  # fmt: skip
+        """Gates decided before asking the drafter; returns the most tokens to request.
+
+        ``setup_tokens``: tokens the drafter must ingest before its first proposal (a model
+        drafter's prefill; 0 for prompt lookup or once it has caught up).
+        """
+        if self.mode == "off":
+            return Decision(0, OFF_BY_REQUEST)
+        # A cycle commits at most γ + 1 tokens; drafting past max_tokens only wastes verify work.
+        cap = min(self.fixed_gamma if self.mode == "on" else self.config.max_gamma, remaining_tokens - 1)
+        reason = self._gate(cap, remaining_tokens, active_sequences, setup_tokens, min_output_tokens)
+        if reason is not None:
+            return Decision(0, reason)
+        if self.mode == "auto" and drafter_source is not None and drafter_cost_per_token > 0:
+            # An expensive drafter (a model) is asked only when its estimate says it pays.
+            return self._choose(drafter_source, cap, drafter_cost_per_token)
+        return Decision(cap)
+
+    def _gate(self, cap: int, remaining_tokens: int, active_sequences: int, setup_tokens: int,
+              min_output_tokens: int | None) -> str | None:  # fmt: skip
+        if cap <= 0:
+            return NEAR_MAX_TOKENS
+        if self.mode == "on":
+            return None
+        if not self.supported:
+            return UNSUPPORTED
+        limit = self.config.max_active_sequences
+        if limit is not None and active_sequences > limit:
+            return BATCH_SATURATED
+        if remaining_tokens < self.short_output_threshold(setup_tokens, min_output_tokens):
+            return SHORT_OUTPUT
+        return None
+
+    def for_draft(self, source: str, proposed: int) -> Decision:
+        """How many of ``proposed`` cheap (lookup) draft tokens to verify."""
+        if self.mode != "auto":
+            return Decision(proposed)
+        return self._choose(source, proposed, 0.0)
+
+    def observe(self, source: str, gamma: int, accepted_len: int) -> None:
+        self.estimate(source).observe(gamma, accepted_len)
+
+    def short_output_threshold(self, setup_tokens: int, override: int | None = None) -> int:
+        """Fewest tokens still to produce for speculation to pay back the drafter's set-up:
+        set-up seconds over the seconds saved per token at the prior acceptance."""
+        for configured in (override, self.config.min_output_tokens):
+            if configured is not None:
+                return configured
+        if setup_tokens == 0 or self.cost is None or self.cost.draft_prefill_token_seconds <= 0:
+            return 0
+        prior = AcceptanceEstimate(self.config.acceptance_prior, self.config.acceptance_decay)
+        gamma, rate = best_gamma(prior, self.cost, self.cost.draft_token_seconds, self.config.max_gamma)
+        saving_per_token = self.cost.forward_seconds(1) - 1.0 / rate
+        if gamma == 0 or saving_per_token <= 0:
+            return 1 << 30  # speculation would not pay at any length
+        return math.ceil(setup_tokens * self.cost.draft_prefill_token_seconds / saving_per_token)
+
+    def _choose(self, source: str, cap: int, draft_cost_per_token: float) -> Decision:
+        estimate = self.estimate(source)
+        if self.cost is None:
+            return Decision(cap)
+        gamma, _ = best_gamma(estimate, self.cost, draft_cost_per_token, cap)
+        if gamma > 0:
+            estimate.declined = 0
+            return Decision(gamma)
+        estimate.declined += 1
+        if estimate.declined > self.config.probe_interval:
+            estimate.declined = 0
+            return Decision(min(cap, self.config.probe_gamma), "probe")
+        return Decision(0, LOW_ACCEPTANCE)

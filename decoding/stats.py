@@ -27,6 +27,7 @@ class GenerationStats:
     wasted_verify_tokens: int = 0  # drafted tokens the target verified and rejected
     gamma_per_cycle: list[int] = field(default_factory=list)  # 0 = a plain decode step
     speculation_off_reasons: Counter[str] = field(default_factory=Counter)
+    probe_cycles: int = 0  # speculative cycles run to re-measure acceptance after a back-off
     accepted_by_source: Counter[str] = field(default_factory=Counter)
     finish_reason: str | None = None
     prefill_s: float = 0.0

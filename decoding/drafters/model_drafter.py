@@ -8,7 +8,7 @@ drawn from. On commit, its cache is cropped back to the committed prefix.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -20,10 +20,18 @@ SOURCE = "draft_model"
 
 
 class ModelDrafter:
-    def __init__(self, model: CausalLM, sampling: SamplingParams, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        sampling: SamplingParams,
+        generator: torch.Generator | None = None,
+        logits_processor: Callable[[Sequence[int], torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.model = model
         self.sampling = sampling
         self.generator = generator
+        # Applied to q exactly as the engine applies it to p, each with its own prefix.
+        self.logits_processor = logits_processor
         self.kv = model.new_kv()
         self._context_len = 0
         self._fed_drafts = 0
@@ -39,6 +47,8 @@ class ModelDrafter:
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for position in range(max_tokens):
+            if self.logits_processor is not None:
+                logits = self.logits_processor([*context, *tokens], logits)
             if self.sampling.greedy:
                 token = int(logits.argmax())
             else:

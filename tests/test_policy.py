@@ -1,0 +1,125 @@
+"""The speculation policy on synthetic costs and acceptance: argmax, gates, back-off, probes."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decoding import policy
+from decoding.policy import AcceptanceEstimate, CostModel, PolicyConfig, RequestPolicy, best_gamma
+
+COSTS = {1: 1.0, 2: 1.05, 4: 1.15, 8: 1.4, 16: 2.2}  # seconds of a forward over k tokens
+
+
+def brute_force_rate(rates: list[float], cost: CostModel, draft_cost: float, gamma: int) -> float:
+    if gamma == 0:
+        return 1.0 / cost.forward_seconds(1)
+    expected, survive = 1.0, 1.0
+    for position in range(gamma):
+        survive *= rates[position] if position < len(rates) else 0.5
+        expected += survive
+    return expected / (gamma * draft_cost + cost.forward_seconds(gamma + 1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rates=st.lists(st.floats(0.0, 1.0), min_size=8, max_size=8),
+    slope=st.floats(0.0, 0.5),
+    draft_cost=st.sampled_from([0.0, 0.05, 0.3]),
+    max_gamma=st.integers(1, 8),
+)
+def test_chosen_gamma_is_the_argmax_of_the_rate_model(rates: list[float], slope: float, draft_cost: float,
+                                                      max_gamma: int) -> None:  # fmt: skip
+    cost = CostModel({k: 1.0 + slope * (k - 1) for k in (1, 2, 4, 8, 16)})
+    estimate = AcceptanceEstimate(prior=0.5, decay=0.3, rates=list(rates))
+    gamma, rate = best_gamma(estimate, cost, draft_cost, max_gamma)
+    expected = [brute_force_rate(rates, cost, draft_cost, g) for g in range(max_gamma + 1)]
+    assert rate == pytest.approx(max(expected))
+    assert expected[gamma] == pytest.approx(max(expected))
+
+
+def test_per_position_acceptance_beats_a_single_alpha() -> None:
+    # Position 0 is nearly always right, position 1 nearly always wrong: γ = 1 wins, which a
+    # single average α (0.5) would not see.
+    estimate = AcceptanceEstimate(prior=0.5, decay=0.3, rates=[0.98, 0.02, 0.5, 0.5])
+    gamma, _ = best_gamma(estimate, CostModel(COSTS), 0.0, 8)
+    assert gamma == 1
+
+
+def test_acceptance_estimate_sees_only_positions_up_to_the_first_rejection() -> None:
+    estimate = AcceptanceEstimate(prior=0.5, decay=0.5)
+    estimate.observe(gamma=4, accepted_len=1)
+    assert estimate.rates == [0.75, 0.25]  # position 0 accepted, 1 rejected, 2-3 unseen
+    estimate.observe(gamma=2, accepted_len=2)
+    assert estimate.rates == [0.875, 0.625]
+
+
+def test_cost_model_interpolates_and_follows_observations() -> None:
+    cost = CostModel({1: 1.0, 4: 1.3, 8: 2.1}, decay=0.5)
+    assert cost.forward_seconds(2) == pytest.approx(1.1)
+    assert cost.forward_seconds(16) == pytest.approx(3.7)  # extrapolated from 4 and 8
+    cost.observe_forward(4, 2.3)
+    assert cost.forward_seconds(4) == pytest.approx(1.8)
+
+
+def make_policy(mode: str = "auto", supported: bool = True, **config: object) -> RequestPolicy:
+    return RequestPolicy(mode, 4, PolicyConfig(**config), CostModel(COSTS, 0.1, 0.01), supported)  # type: ignore[arg-type]
+
+
+def decide(request_policy: RequestPolicy, remaining: int = 100, active: int = 1, setup: int = 0,
+           model_drafter: bool = False, min_tokens: int | None = None) -> policy.Decision:  # fmt: skip
+    return request_policy.before_drafting(
+        remaining, active, setup, 0.1 if model_drafter else 0.0, "draft_model" if model_drafter else None, min_tokens
+    )
+
+
+@pytest.mark.parametrize(
+    ("request_policy", "kwargs", "reason"),
+    [
+        (make_policy("off"), {}, policy.OFF_BY_REQUEST),
+        (make_policy(), {"remaining": 1}, policy.NEAR_MAX_TOKENS),
+        (make_policy(supported=False), {}, policy.UNSUPPORTED),
+        (make_policy(max_active_sequences=2), {"active": 3}, policy.BATCH_SATURATED),
+        (make_policy(), {"remaining": 20, "min_tokens": 32}, policy.SHORT_OUTPUT),
+        (make_policy(), {"remaining": 20, "setup": 10_000, "model_drafter": True}, policy.SHORT_OUTPUT),
+    ],
+)
+def test_each_gate_fires_with_its_reason(request_policy: RequestPolicy, kwargs: dict[str, int], reason: str) -> None:
+    assert decide(request_policy, **kwargs) == policy.Decision(0, reason)
+
+
+def test_gates_stay_open_when_nothing_applies() -> None:
+    assert decide(make_policy(max_active_sequences=2), active=2, remaining=50).gamma > 0
+    assert decide(make_policy(), remaining=500, setup=100, model_drafter=True).gamma > 0
+    assert decide(make_policy("on"), remaining=3) == policy.Decision(2)  # capped by max_tokens only
+
+
+def test_short_output_threshold_comes_from_the_cost_model() -> None:
+    request_policy = make_policy()
+    threshold = request_policy.short_output_threshold(setup_tokens=1000)
+    assert threshold > 0
+    assert request_policy.short_output_threshold(setup_tokens=2000) >= 2 * threshold - 1
+    assert request_policy.short_output_threshold(setup_tokens=0) == 0  # prompt lookup has no set-up
+
+
+def test_low_acceptance_backs_off_then_probes_and_recovers() -> None:
+    request_policy = make_policy(probe_interval=3, probe_gamma=2)
+    source = "passage:0"
+    assert request_policy.for_draft(source, 6).gamma > 0  # optimistic prior: try it
+    for _ in range(12):
+        request_policy.observe(source, 4, 0)  # everything rejected
+    decisions = [request_policy.for_draft(source, 6) for _ in range(4)]
+    assert decisions[:3] == [policy.Decision(0, policy.LOW_ACCEPTANCE)] * 3
+    assert decisions[3] == policy.Decision(2, "probe")
+    for _ in range(4):  # the source turned copy-heavy: probes now succeed
+        request_policy.observe(source, 2, 2)
+    assert request_policy.for_draft(source, 6).gamma > 2
+    assert request_policy.for_draft("output", 6).gamma > 0  # other sources keep their own estimates
+
+
+def test_on_mode_verifies_every_proposal() -> None:
+    request_policy = make_policy("on")
+    for _ in range(10):
+        request_policy.observe("output", 4, 0)
+    assert request_policy.for_draft("output", 3) == policy.Decision(3)
