@@ -30,6 +30,7 @@ import torch
 from decoding import policy as policies
 from decoding.acceptance import greedy_accept, speculative_accept
 from decoding.drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
+from decoding.drafters.model_drafter import SOURCE as MODEL_SOURCE
 from decoding.kv import SequenceKV
 from decoding.model import CausalLM
 from decoding.policy import CostModel, PolicyConfig, RequestPolicy
@@ -55,7 +56,7 @@ class _Sequence:
     request: GenerationRequest
     tokens: list[int]
     kv: SequenceKV
-    drafter: Drafter | None
+    drafters: list[Drafter]  # in order of preference: free ones (prompt lookup) first
     policy: RequestPolicy
     generator: torch.Generator
     stop_ids: frozenset[int]
@@ -88,7 +89,7 @@ class Engine:
             )
         self.target = target
         self.draft = draft
-        self.default_drafter: DrafterKind = default_drafter or ("model" if draft is not None else "lookup")
+        self.default_drafter: DrafterKind = default_drafter or ("both" if draft is not None else "lookup")
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
         self.policy_config = policy or PolicyConfig()
@@ -116,7 +117,7 @@ class Engine:
             request=request,
             tokens=list(request.prompt_tokens),
             kv=self.target.new_kv(),
-            drafter=self._make_drafter(request, drafter_kind, generator),
+            drafters=self._make_drafters(request, drafter_kind, generator),
             policy=request_policy,
             generator=generator,
             stop_ids=stop_ids,
@@ -171,33 +172,42 @@ class Engine:
     def _advance(self, seq: _Sequence) -> list[int]:
         if not seq.prefilled:
             return self._prefill(seq)
-        if seq.drafter is None:
-            return self._plain_step(seq, policies.OFF_BY_REQUEST)
-        is_model = isinstance(seq.drafter, ModelDrafter)
-        plan = seq.policy.before_drafting(
-            remaining_tokens=seq.request.max_tokens - seq.output_len,
-            active_sequences=len(self._active),
-            setup_tokens=len(seq.tokens) if is_model and not len(seq.drafter.kv) else 0,  # type: ignore[union-attr]
-            drafter_cost_per_token=self.cost_model.draft_token_seconds if is_model and self.cost_model else 0.0,
-            drafter_source="draft_model" if is_model else None,
-            min_output_tokens=seq.request.min_tokens_for_speculation,
-        )
+        remaining = seq.request.max_tokens - seq.output_len
+        plan = seq.policy.plan(remaining, len(self._active))
         if plan.gamma == 0:
             return self._plain_step(seq, plan.reason)
+        off_reason: str | None = policies.NO_PROPOSAL
+        for drafter in seq.drafters:
+            draft, off_reason = self._draft(seq, drafter, plan.gamma, remaining)
+            if draft is not None:
+                return self._speculative_step(seq, draft)
+        return self._plain_step(seq, off_reason)
+
+    def _draft(self, seq: _Sequence, drafter: Drafter, cap: int, remaining: int) -> tuple[Draft | None, str | None]:
+        """Ask one drafter, as far as the policy finds it worth; (draft, None) or (None, reason)."""
+        costly = isinstance(drafter, ModelDrafter)
+        if costly:
+            choice = seq.policy.for_costly_drafter(
+                MODEL_SOURCE, cap, self.cost_model.draft_token_seconds if self.cost_model else 0.0,
+                setup_tokens=0 if len(drafter.kv) else len(seq.tokens), remaining_tokens=remaining,
+                min_output_tokens=seq.request.min_tokens_for_speculation,
+            )  # fmt: skip
+            if choice.gamma == 0:
+                return None, choice.reason
+            cap = choice.gamma
         with seq.stats.timed("draft"):
             start = time.perf_counter()
-            draft = seq.drafter.propose(seq.tokens, plan.gamma)
-            if is_model and draft.tokens and self.cost_model is not None:
+            draft = drafter.propose(seq.tokens, cap)
+            if costly and draft.tokens and self.cost_model is not None:
                 self.cost_model.observe_draft_token((time.perf_counter() - start) / len(draft.tokens))
         if not draft.tokens:
-            return self._plain_step(seq, policies.NO_PROPOSAL)
-        choice = policies.Decision(len(draft.tokens), plan.reason) if is_model else seq.policy.for_draft(
-            draft.source, len(draft.tokens)
-        )  # fmt: skip
-        if choice.gamma == 0:
-            return self._plain_step(seq, choice.reason)
+            return None, policies.NO_PROPOSAL
+        if not costly:
+            choice = seq.policy.for_draft(draft.source, len(draft.tokens))
+            if choice.gamma == 0:
+                return None, choice.reason
         seq.stats.probe_cycles += choice.reason == "probe"
-        return self._speculative_step(seq, _truncate(draft, choice.gamma))
+        return _truncate(draft, choice.gamma), None
 
     def _prefill(self, seq: _Sequence) -> list[int]:
         with seq.stats.timed("prefill"):
@@ -216,8 +226,8 @@ class Engine:
             token = select_token(logits, seq.request.sampling, seq.generator)
         seq.stats.target_calls += 1
         seq.stats.record_plain(off_reason)
-        if seq.drafter is not None:
-            seq.drafter.on_commit([token], 0)
+        for drafter in seq.drafters:
+            drafter.on_commit([token], 0)
         return self._commit(seq, [token])
 
     def _speculative_step(self, seq: _Sequence, draft: Draft) -> list[int]:
@@ -232,8 +242,8 @@ class Engine:
         with seq.stats.timed("rollback"):
             # Keep the pending token and the accepted drafts; drop the rejected suffix.
             seq.kv.crop(kept_before + 1 + accepted_len)
-            assert seq.drafter is not None
-            seq.drafter.on_commit(committed, accepted_len)
+            for drafter in seq.drafters:  # a drafter that did not propose has nothing to undo
+                drafter.on_commit(committed, accepted_len)
         seq.policy.observe(draft.source, len(draft.tokens), accepted_len)
         seq.stats.record_verify(len(draft.tokens), accepted_len, draft.source)
         return self._commit(seq, committed)
@@ -285,23 +295,22 @@ class Engine:
 
     # -- set-up and checks --------------------------------------------------------------
 
-    def _make_drafter(
+    def _make_drafters(
         self, request: GenerationRequest, kind: DrafterKind, generator: torch.Generator
-    ) -> Drafter | None:
+    ) -> list[Drafter]:
         if request.speculation == "off":
-            return None
-        if kind == "model":
+            return []
+        drafters: list[Drafter] = []
+        if kind in ("lookup", "both"):
+            drafters.append(PromptLookupDrafter(request.prompt_tokens, request.lookup_sources,
+                                                passage_names=request.lookup_source_names,
+                                                min_ngram=self.min_ngram, max_ngram=self.max_ngram))  # fmt: skip
+        if kind in ("model", "both"):
             assert self.draft is not None
             processors = request.logits_processors
             processor = functools.partial(apply_processors, processors) if processors else None
-            return ModelDrafter(self.draft, request.sampling, generator, processor)
-        return PromptLookupDrafter(
-            request.prompt_tokens,
-            request.lookup_sources,
-            passage_names=request.lookup_source_names,
-            min_ngram=self.min_ngram,
-            max_ngram=self.max_ngram,
-        )
+            drafters.append(ModelDrafter(self.draft, request.sampling, generator, processor))
+        return drafters
 
     def _check_invariants(self, seq: _Sequence) -> None:
         committed_but_pending = seq.tokens[:-1]
@@ -310,8 +319,9 @@ class Engine:
                 f"seq {seq.seq_id}: target cache holds {len(seq.kv)} ids / {seq.kv.cached_length()} positions, "
                 f"expected the {len(committed_but_pending)} committed tokens before the pending one"
             )
-        if isinstance(seq.drafter, ModelDrafter) and not seq.drafter.cache_matches(seq.tokens):
-            raise AssertionError(f"seq {seq.seq_id}: draft cache is not a prefix of the committed tokens")
+        for drafter in seq.drafters:
+            if isinstance(drafter, ModelDrafter) and not drafter.cache_matches(seq.tokens):
+                raise AssertionError(f"seq {seq.seq_id}: draft cache is not a prefix of the committed tokens")
 
 
 def _truncate(draft: Draft, gamma: int) -> Draft:

@@ -172,46 +172,40 @@ class RequestPolicy:
             self._estimates[source] = AcceptanceEstimate(self.config.acceptance_prior, self.config.acceptance_decay)
         return self._estimates[source]
 
-    def before_drafting(self, remaining_tokens: int, active_sequences: int, setup_tokens: int,
-                        drafter_cost_per_token: float, drafter_source: str | None,
-                        min_output_tokens: int | None = None) -> Decision:  # fmt: skip
-        """Gates decided before asking the drafter; returns the most tokens to request.
-
-        ``setup_tokens``: tokens the drafter must ingest before its first proposal (a model
-        drafter's prefill; 0 for prompt lookup or once it has caught up).
-        """
+    def plan(self, remaining_tokens: int, active_sequences: int) -> Decision:
+        """Gates that apply whatever the drafter; returns the most tokens worth drafting."""
         if self.mode == "off":
             return Decision(0, OFF_BY_REQUEST)
         # A cycle commits at most γ + 1 tokens; drafting past max_tokens only wastes verify work.
         cap = min(self.fixed_gamma if self.mode == "on" else self.config.max_gamma, remaining_tokens - 1)
-        reason = self._gate(cap, remaining_tokens, active_sequences, setup_tokens, min_output_tokens)
-        if reason is not None:
-            return Decision(0, reason)
-        if self.mode == "auto" and drafter_source is not None and drafter_cost_per_token > 0:
-            # An expensive drafter (a model) is asked only when its estimate says it pays.
-            return self._choose(drafter_source, cap, drafter_cost_per_token)
-        return Decision(cap)
-
-    def _gate(self, cap: int, remaining_tokens: int, active_sequences: int, setup_tokens: int,
-              min_output_tokens: int | None) -> str | None:  # fmt: skip
         if cap <= 0:
-            return NEAR_MAX_TOKENS
+            return Decision(0, NEAR_MAX_TOKENS)
         if self.mode == "on":
-            return None
+            return Decision(cap)
         if not self.supported:
-            return UNSUPPORTED
+            return Decision(0, UNSUPPORTED)
         limit = self.config.max_active_sequences
         if limit is not None and active_sequences > limit:
-            return BATCH_SATURATED
-        if remaining_tokens < self.short_output_threshold(setup_tokens, min_output_tokens):
-            return SHORT_OUTPUT
-        return None
+            return Decision(0, BATCH_SATURATED)
+        return Decision(cap)
 
     def for_draft(self, source: str, proposed: int) -> Decision:
-        """How many of ``proposed`` cheap (lookup) draft tokens to verify."""
+        """How many of ``proposed`` free (prompt-lookup) draft tokens to verify."""
         if self.mode != "auto":
             return Decision(proposed)
         return self._choose(source, proposed, 0.0)
+
+    def for_costly_drafter(self, source: str, cap: int, cost_per_token: float, setup_tokens: int,
+                           remaining_tokens: int, min_output_tokens: int | None = None) -> Decision:  # fmt: skip
+        """How many tokens a drafter that costs time per token (a model) should draft.
+
+        ``setup_tokens``: what it must ingest before its first proposal (its prefill).
+        """
+        if self.mode != "auto":
+            return Decision(cap)
+        if remaining_tokens < self.short_output_threshold(setup_tokens, min_output_tokens):
+            return Decision(0, SHORT_OUTPUT)
+        return self._choose(source, cap, cost_per_token)
 
     def observe(self, source: str, gamma: int, accepted_len: int) -> None:
         self.estimate(source).observe(gamma, accepted_len)

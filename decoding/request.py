@@ -12,7 +12,7 @@ from decoding.policy import SPECULATION_MODES, Speculation
 from decoding.sampling import SamplingParams
 from decoding.stats import GenerationStats
 
-DrafterKind = Literal["lookup", "model"]
+DrafterKind = Literal["lookup", "model", "both"]  # both: lookup first, the draft model when it has nothing
 
 
 class LogitsProcessor(Protocol):
@@ -65,10 +65,10 @@ def validate(request: GenerationRequest, default_drafter: DrafterKind, has_draft
     if any(not stop for stop in request.stop_sequences):
         raise ValueError("stop_sequences must not contain an empty sequence")
     kind = request.drafter or default_drafter
-    if kind not in ("lookup", "model"):
-        raise ValueError(f"drafter must be 'lookup' or 'model', got {kind!r}")
-    if kind == "model" and not has_draft_model:
-        raise ValueError("drafter='model' needs an engine built with a draft model")
+    if kind not in ("lookup", "model", "both"):
+        raise ValueError(f"drafter must be 'lookup', 'model' or 'both', got {kind!r}")
+    if kind != "lookup" and not has_draft_model:
+        raise ValueError(f"drafter={kind!r} needs an engine built with a draft model")
     return kind
 
 

@@ -40,14 +40,15 @@ def plain_reference(prompt: list[int], max_tokens: int, **kwargs: object) -> lis
     gamma=st.integers(1, 8),
     prompt_len=st.integers(2, 60),
     max_tokens=st.integers(1, 40),
-    drafter=st.sampled_from(["lookup", "self", "poor"]),
+    drafter=st.sampled_from(["lookup", "self", "poor", "both"]),
 )
 def test_greedy_speculation_equals_plain_greedy(
     seed: int, gamma: int, prompt_len: int, max_tokens: int, drafter: str
 ) -> None:
     prompt = repetitive_prompt(seed, prompt_len)
-    draft_model = {"lookup": None, "self": TARGET, "poor": POOR_DRAFT}[drafter]
-    engine = Engine(TARGET, draft_model, debug=True, min_ngram=1, max_ngram=3)
+    draft_model = {"lookup": None, "self": TARGET, "poor": POOR_DRAFT, "both": POOR_DRAFT}[drafter]
+    kind = {"lookup": "lookup", "self": "model", "poor": "model", "both": "both"}[drafter]
+    engine = Engine(TARGET, draft_model, default_drafter=kind, debug=True, min_ngram=1, max_ngram=3)
     request = GenerationRequest(
         prompt,
         max_tokens=max_tokens,
@@ -72,7 +73,7 @@ def test_greedy_speculation_equals_plain_greedy(
 def test_self_drafting_commits_gamma_plus_one_per_call() -> None:
     prompt = repetitive_prompt(3, 20)
     request = GenerationRequest(prompt, max_tokens=31, speculation="on", num_speculative_tokens=4, stop_token_ids=[])
-    output, final = run(Engine(TARGET, TARGET, debug=True), request)
+    output, final = run(Engine(TARGET, TARGET, default_drafter="model", debug=True), request)
     assert output == plain_reference(prompt, 31)
     assert final.stats.gamma_per_cycle == [4] * 6
     assert final.stats.accepted_len_hist == [0, 0, 0, 0, 6] and final.stats.bonus_count == 6
@@ -87,7 +88,7 @@ def test_stop_token_inside_an_accepted_candidate_ends_generation_there() -> None
     request = GenerationRequest(
         prompt, max_tokens=30, speculation="on", num_speculative_tokens=8, stop_token_ids=[stop]
     )
-    output, final = run(Engine(TARGET, TARGET, debug=True), request)
+    output, final = run(Engine(TARGET, TARGET, default_drafter="model", debug=True), request)
     assert output == reference[: stop_at + 1]
     assert final.finish_reason == "stop" and final.stats.output_tokens == stop_at + 1
 
@@ -105,7 +106,7 @@ def test_stop_sequence_inside_an_accepted_candidate_ends_generation_there() -> N
         stop_token_ids=[],
         stop_sequences=[stop_sequence],
     )
-    output, final = run(Engine(TARGET, TARGET, debug=True), request)
+    output, final = run(Engine(TARGET, TARGET, default_drafter="model", debug=True), request)
     assert output == reference[:first_end] and final.finish_reason == "stop"
 
 

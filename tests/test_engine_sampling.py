@@ -36,7 +36,7 @@ def exact_second_and_third_token() -> torch.Tensor:
 
 
 def sampled_second_and_third_token() -> torch.Tensor:
-    engine = Engine(TARGET, DRAFT)
+    engine = Engine(TARGET, DRAFT, default_drafter="model")
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     for seed in range(RUNS):
         request = GenerationRequest(

@@ -72,7 +72,7 @@ def test_draft_cache_after_any_accept_reject_pattern(prompt: list[int], cycles: 
 
 
 def test_engine_caches_match_fresh_forwards_after_every_sampled_cycle() -> None:
-    engine = Engine(TARGET, DRAFT, debug=True)
+    engine = Engine(TARGET, DRAFT, default_drafter="model", debug=True)
     request = GenerationRequest(
         [5, 6, 7, 8],
         max_tokens=40,
@@ -89,5 +89,5 @@ def test_engine_caches_match_fresh_forwards_after_every_sampled_cycle() -> None:
         cached = TARGET.forward(seq.kv, seq.tokens[-1:])[-1]
         seq.kv.crop(len(seq.tokens) - 1)
         torch.testing.assert_close(cached, fresh_last_logits(TARGET, seq.tokens), rtol=1e-9, atol=1e-9)
-        assert isinstance(seq.drafter, ModelDrafter) and seq.drafter.cache_matches(seq.tokens)
+        assert isinstance(seq.drafters[0], ModelDrafter) and seq.drafters[0].cache_matches(seq.tokens)
     assert seq.stats.accepted_len_hist[0] > 0  # some cycles really rejected everything

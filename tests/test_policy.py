@@ -67,32 +67,32 @@ def make_policy(mode: str = "auto", supported: bool = True, **config: object) ->
     return RequestPolicy(mode, 4, PolicyConfig(**config), CostModel(COSTS, 0.1, 0.01), supported)  # type: ignore[arg-type]
 
 
-def decide(request_policy: RequestPolicy, remaining: int = 100, active: int = 1, setup: int = 0,
-           model_drafter: bool = False, min_tokens: int | None = None) -> policy.Decision:  # fmt: skip
-    return request_policy.before_drafting(
-        remaining, active, setup, 0.1 if model_drafter else 0.0, "draft_model" if model_drafter else None, min_tokens
-    )
-
-
 @pytest.mark.parametrize(
-    ("request_policy", "kwargs", "reason"),
+    ("request_policy", "remaining", "active", "reason"),
     [
-        (make_policy("off"), {}, policy.OFF_BY_REQUEST),
-        (make_policy(), {"remaining": 1}, policy.NEAR_MAX_TOKENS),
-        (make_policy(supported=False), {}, policy.UNSUPPORTED),
-        (make_policy(max_active_sequences=2), {"active": 3}, policy.BATCH_SATURATED),
-        (make_policy(), {"remaining": 20, "min_tokens": 32}, policy.SHORT_OUTPUT),
-        (make_policy(), {"remaining": 20, "setup": 10_000, "model_drafter": True}, policy.SHORT_OUTPUT),
+        (make_policy("off"), 100, 1, policy.OFF_BY_REQUEST),
+        (make_policy(), 1, 1, policy.NEAR_MAX_TOKENS),
+        (make_policy(supported=False), 100, 1, policy.UNSUPPORTED),
+        (make_policy(max_active_sequences=2), 100, 3, policy.BATCH_SATURATED),
     ],
 )
-def test_each_gate_fires_with_its_reason(request_policy: RequestPolicy, kwargs: dict[str, int], reason: str) -> None:
-    assert decide(request_policy, **kwargs) == policy.Decision(0, reason)
+def test_each_gate_fires_with_its_reason(
+    request_policy: RequestPolicy, remaining: int, active: int, reason: str
+) -> None:
+    assert request_policy.plan(remaining, active) == policy.Decision(0, reason)
+
+
+@pytest.mark.parametrize(("setup", "override"), [(0, 32), (10_000, None)])
+def test_short_output_gate_spares_a_costly_drafter(setup: int, override: int | None) -> None:
+    decision = make_policy().for_costly_drafter("draft_model", 4, 0.1, setup, remaining_tokens=20,
+                                                min_output_tokens=override)  # fmt: skip
+    assert decision == policy.Decision(0, policy.SHORT_OUTPUT)
 
 
 def test_gates_stay_open_when_nothing_applies() -> None:
-    assert decide(make_policy(max_active_sequences=2), active=2, remaining=50).gamma > 0
-    assert decide(make_policy(), remaining=500, setup=100, model_drafter=True).gamma > 0
-    assert decide(make_policy("on"), remaining=3) == policy.Decision(2)  # capped by max_tokens only
+    assert make_policy(max_active_sequences=2).plan(50, 2) == policy.Decision(8)
+    assert make_policy().for_costly_drafter("draft_model", 4, 0.01, 100, remaining_tokens=500).gamma > 0
+    assert make_policy("on").plan(3, 1) == policy.Decision(2)  # capped by max_tokens only
 
 
 def test_short_output_threshold_comes_from_the_cost_model() -> None:
