@@ -110,8 +110,13 @@ class Engine:
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
         generator = torch.Generator().manual_seed(seed)
         stop_ids = self._eos_ids if request.stop_token_ids is None else frozenset(request.stop_token_ids)
-        request_policy = RequestPolicy(request.speculation, request.num_speculative_tokens, self.policy_config,
-                                       self.cost_model, supported=speculation_supported(request))  # fmt: skip
+        request_policy = RequestPolicy(
+            request.speculation,
+            request.num_speculative_tokens,
+            self.policy_config,
+            self.cost_model,
+            supported=speculation_supported(request),
+        )
         self._active[seq_id] = _Sequence(
             seq_id=seq_id,
             request=request,
@@ -188,10 +193,13 @@ class Engine:
         costly = isinstance(drafter, ModelDrafter)
         if costly:
             choice = seq.policy.for_costly_drafter(
-                MODEL_SOURCE, cap, self.cost_model.draft_token_seconds if self.cost_model else 0.0,
-                setup_tokens=0 if len(drafter.kv) else len(seq.tokens), remaining_tokens=remaining,
+                MODEL_SOURCE,
+                cap,
+                self.cost_model.draft_token_seconds if self.cost_model else 0.0,
+                setup_tokens=0 if len(drafter.kv) else len(seq.tokens),
+                remaining_tokens=remaining,
                 min_output_tokens=seq.request.min_tokens_for_speculation,
-            )  # fmt: skip
+            )
             if choice.gamma == 0:
                 return None, choice.reason
             cap = choice.gamma
@@ -251,8 +259,10 @@ class Engine:
     def _accept(self, seq: _Sequence, draft: Draft, target_logits: torch.Tensor) -> tuple[int, list[int]]:
         processors = seq.request.logits_processors
         if processors:  # row i follows the committed tokens and the first i drafts
-            rows = [apply_processors(processors, [*seq.tokens, *draft.tokens[:i]], row)
-                    for i, row in enumerate(target_logits)]  # fmt: skip
+            rows = [
+                apply_processors(processors, [*seq.tokens, *draft.tokens[:i]], row)
+                for i, row in enumerate(target_logits)
+            ]
             target_logits = torch.stack(rows)
         draft_tokens = torch.tensor(draft.tokens, dtype=torch.long)
         sampling = seq.request.sampling
@@ -302,9 +312,15 @@ class Engine:
             return []
         drafters: list[Drafter] = []
         if kind in ("lookup", "both"):
-            drafters.append(PromptLookupDrafter(request.prompt_tokens, request.lookup_sources,
-                                                passage_names=request.lookup_source_names,
-                                                min_ngram=self.min_ngram, max_ngram=self.max_ngram))  # fmt: skip
+            drafters.append(
+                PromptLookupDrafter(
+                    request.prompt_tokens,
+                    request.lookup_sources,
+                    passage_names=request.lookup_source_names,
+                    min_ngram=self.min_ngram,
+                    max_ngram=self.max_ngram,
+                )
+            )
         if kind in ("model", "both"):
             assert self.draft is not None
             processors = request.logits_processors

@@ -62,9 +62,14 @@ def _sdpa_shared_kv_heads(
     if causal and key.shape[2] > query_len:  # same convention as transformers' sdpa path
         key, value = key[:, :, :query_len], value[:, :, :query_len]
     output = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, scale=scaling, is_causal=causal,
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        scale=scaling,
+        is_causal=causal,
         enable_gqa=getattr(module, "num_key_value_groups", 1) > 1,
-    )  # fmt: skip
+    )
     return output.transpose(1, 2).contiguous(), None
 
 

@@ -45,8 +45,13 @@ class CostModel:
     is interpolated linearly; beyond the largest, extrapolated from the last two points.
     """
 
-    def __init__(self, forward_seconds: dict[int, float], draft_token_seconds: float = 0.0,
-                 draft_prefill_token_seconds: float = 0.0, decay: float = 0.2) -> None:  # fmt: skip
+    def __init__(
+        self,
+        forward_seconds: dict[int, float],
+        draft_token_seconds: float = 0.0,
+        draft_prefill_token_seconds: float = 0.0,
+        decay: float = 0.2,
+    ) -> None:
         if 1 not in forward_seconds:
             raise ValueError("the cost model needs the cost of a one-token forward")
         self._forward = dict(forward_seconds)
@@ -55,8 +60,13 @@ class CostModel:
         self.decay = decay
 
     @classmethod
-    def measure(cls, forward: Callable[[int], float], draft_forward: Callable[[int], float] | None = None,
-                counts: tuple[int, ...] = FORWARD_TOKEN_COUNTS, repeats: int = 2) -> CostModel:  # fmt: skip
+    def measure(
+        cls,
+        forward: Callable[[int], float],
+        draft_forward: Callable[[int], float] | None = None,
+        counts: tuple[int, ...] = FORWARD_TOKEN_COUNTS,
+        repeats: int = 2,
+    ) -> CostModel:
         """``forward(k)`` / ``draft_forward(k)`` run one forward over k tokens and return seconds."""
         forward(1)  # warm-up: first calls allocate
         seconds = {count: min(forward(count) for _ in range(repeats)) for count in counts}
@@ -84,8 +94,13 @@ class CostModel:
         return max(self._forward[low] + slope * (tokens - low), self._forward[counts[0]])
 
     def observe_forward(self, tokens: int, seconds: float) -> None:
-        # A k seen for the first time starts from the interpolated estimate, like any other.
+        """EWMA for the observed k; every other k moves by the same relative step, so points
+        the engine rarely runs (it mostly runs k = 1 and its current γ + 1) follow the level
+        set by the context length and the machine's load while keeping their measured shape."""
         previous = self.forward_seconds(tokens)
+        step = self.decay * (seconds / previous - 1.0)
+        for count in self._forward:
+            self._forward[count] *= 1.0 + step
         self._forward[tokens] = (1 - self.decay) * previous + self.decay * seconds
 
     def observe_draft_token(self, seconds: float) -> None:
@@ -137,8 +152,9 @@ class AcceptanceEstimate:
         return expected
 
 
-def best_gamma(estimate: AcceptanceEstimate, cost: CostModel, draft_token_seconds: float, max_gamma: int
-               ) -> tuple[int, float]:  # fmt: skip
+def best_gamma(
+    estimate: AcceptanceEstimate, cost: CostModel, draft_token_seconds: float, max_gamma: int
+) -> tuple[int, float]:
     """The γ in 0..max_gamma with the highest expected committed tokens per second."""
     best, best_rate = 0, 1.0 / cost.forward_seconds(1)
     for gamma in range(1, max_gamma + 1):
@@ -158,8 +174,9 @@ class Decision:
 class RequestPolicy:
     """The per-request state of the policy: mode, acceptance estimates, probe counters."""
 
-    def __init__(self, mode: Speculation, fixed_gamma: int, config: PolicyConfig, cost: CostModel | None,
-                 supported: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, mode: Speculation, fixed_gamma: int, config: PolicyConfig, cost: CostModel | None, supported: bool = True
+    ) -> None:
         self.mode = mode
         self.fixed_gamma = fixed_gamma
         self.config = config
@@ -195,8 +212,15 @@ class RequestPolicy:
             return Decision(proposed)
         return self._choose(source, proposed, 0.0)
 
-    def for_costly_drafter(self, source: str, cap: int, cost_per_token: float, setup_tokens: int,
-                           remaining_tokens: int, min_output_tokens: int | None = None) -> Decision:  # fmt: skip
+    def for_costly_drafter(
+        self,
+        source: str,
+        cap: int,
+        cost_per_token: float,
+        setup_tokens: int,
+        remaining_tokens: int,
+        min_output_tokens: int | None = None,
+    ) -> Decision:
         """How many tokens a drafter that costs time per token (a model) should draft.
 
         ``setup_tokens``: what it must ingest before its first proposal (its prefill).

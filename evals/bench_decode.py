@@ -1,165 +1,111 @@
-"""Decoding benchmark: plain vs ours vs the transformers reference, side by side.
+"""The decoding benchmark matrix: workloads x methods, interleaved, medians.
 
-    python -m evals.bench_decode                 # or: specrag bench decode
-    python -m evals.bench_decode --repeats 5 --max-tokens 128 --json bench.json
+    python -m evals.bench_decode                              # or: specrag bench decode
+    python -m evals.bench_decode --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
+    python -m evals.bench_decode --quick                      # seconds: proves it runs
 
-For each workload every method runs once per repeat, interleaved in the same order,
-so drift of the machine hits all methods alike; the table reports medians. Methods:
-
-- ``plain``            our engine, speculation off (the baseline of every ratio)
-- ``hf``               transformers ``generate``, greedy
-- ``hf_prompt_lookup`` transformers ``generate(prompt_lookup_num_tokens=10)``
-- ``ours``             our engine, prompt-lookup speculation over prompt and passages
-
-Every run is greedy, so every output should equal plain's; the table says whether it did.
+Methods: ``plain`` (our engine, speculation off: the baseline of every ratio), ``hf``
+(transformers ``generate``), ``hf_prompt_lookup`` (``prompt_lookup_num_tokens=10``),
+``hf_assisted`` (``assistant_model``, with ``--draft``), ``ours_lookup`` (speculation on,
+prompt lookup), ``ours_draft`` (on, the draft model, with ``--draft``) and ``ours_auto``
+(the policy: prompt lookup first, the draft model as fallback when one is given).
+Within each repeat every method runs once per workload, in the same order, so drift of
+the machine hits all alike. Every method decodes greedily, so every output should equal
+plain's; where one does not, ``first_divergence`` gives the position and plain's top-2
+logit gap there (the near-tie rule of ``decoding/numerics.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import statistics
 import sys
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from decoding import Engine, GenerationRequest
-from decoding.model import CausalLM, load_model
-from evals.prompts import BENCH_CASES, encode_case
+from decoding.model import load_model
+from evals import workloads
+from evals.bench_runs import METHODS, MethodRunner, Row, machine, position_sums, summarise
 
-METHODS = ("plain", "hf", "hf_prompt_lookup", "ours")
-
-
-@dataclass
-class Run:
-    output: list[int]
-    seconds: float
-    target_calls: int | None = None
+QUICK = {
+    "workloads": ["rag_quote"],
+    "methods": ["plain", "ours_lookup", "ours_auto", "hf_prompt_lookup"],
+    "repeats": 1,
+    "max_tokens": 12,
+}
 
 
-@dataclass
-class Row:
-    workload: str
-    method: str
-    runs: list[Run] = field(default_factory=list)
-
-    @property
-    def median_seconds(self) -> float:
-        return statistics.median(run.seconds for run in self.runs)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return statistics.median(len(run.output) / run.seconds for run in self.runs)
-
-
-def run_engine(
-    engine: Engine, prompt: list[int], passages: list[list[int]], max_tokens: int, speculation: str, gamma: int
-) -> Run:
-    request = GenerationRequest(
-        prompt,
-        max_tokens=max_tokens,
-        speculation=speculation,  # type: ignore[arg-type]
-        num_speculative_tokens=gamma,
-        lookup_sources=passages,
-    )
-    start = time.perf_counter()
-    events = list(engine.generate(request))
-    seconds = time.perf_counter() - start
-    stats = events[-1].stats
-    assert stats is not None
-    return Run([token for event in events for token in event.token_ids], seconds, stats.target_calls)
-
-
-def run_hf(target: CausalLM, prompt: list[int], max_tokens: int, lookup: bool) -> Run:
-    input_ids = torch.tensor([prompt], device=target.device)
-    extra = {"prompt_lookup_num_tokens": 10} if lookup else {}
-    start = time.perf_counter()
-    with torch.inference_mode():
-        output = target.model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            eos_token_id=sorted(target.eos_token_ids()),
-            pad_token_id=sorted(target.eos_token_ids())[0],
-            **extra,
-        )
-    seconds = time.perf_counter() - start
-    return Run(output[0, len(prompt) :].tolist(), seconds)
-
-
-def machine() -> dict[str, object]:
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }
-
-
-def benchmark(
-    target: CausalLM, workloads: list[str], methods: list[str], repeats: int, max_tokens: int, gamma: int
+def run_matrix(
+    runner: MethodRunner, workload_names: list[str], methods: list[str], repeats: int, max_tokens: int | None
 ) -> list[Row]:
-    engine = Engine(target)
-    rows = {(workload, method): Row(workload, method) for workload in workloads for method in methods}
-    encoded = {workload: encode_case(BENCH_CASES[workload], target.tokenizer) for workload in workloads}
-    runners: dict[str, Callable[[list[int], list[list[int]]], Run]] = {
-        "plain": lambda prompt, passages: run_engine(engine, prompt, passages, max_tokens, "off", gamma),
-        "ours": lambda prompt, passages: run_engine(engine, prompt, passages, max_tokens, "on", gamma),
-        "hf": lambda prompt, passages: run_hf(target, prompt, max_tokens, lookup=False),
-        "hf_prompt_lookup": lambda prompt, passages: run_hf(target, prompt, max_tokens, lookup=True),
-    }
-    for workload in workloads:  # one warm-up run each, untimed: first calls allocate
-        runners["plain"](*encoded[workload])
+    encoded = {}
+    for name in workload_names:
+        workload = workloads.load(name)
+        limit = int(getattr(runner.target.config, "max_position_embeddings", 32768))
+        encoded[name] = (workload.encode(runner.target.tokenizer, limit), max_tokens or workload.max_tokens)
+    rows = {(name, method): Row(name, method) for name in workload_names for method in methods}
+    for name in workload_names:  # warm-up, untimed: first calls at a new length allocate
+        runner.run("plain", encoded[name][0], min(encoded[name][1], 4))
     for repeat in range(repeats):
-        for workload in workloads:
+        for name in workload_names:
             for method in methods:
-                rows[workload, method].runs.append(runners[method](*encoded[workload]))
-        print(f"repeat {repeat + 1}/{repeats} done", file=sys.stderr)
+                rows[name, method].runs.append(runner.run(method, *encoded[name]))
+        print(f"repeat {repeat + 1}/{repeats} done", file=sys.stderr, flush=True)
     return list(rows.values())
 
 
-def report(rows: list[Row]) -> list[dict[str, object]]:
-    plain = {row.workload: row for row in rows if row.method == "plain"}
-    results = []
-    for row in rows:
-        reference = plain.get(row.workload)
-        calls = [run.target_calls for run in row.runs if run.target_calls]
-        results.append(
-            {
-                "workload": row.workload,
-                "method": row.method,
-                "tokens_per_s": round(row.tokens_per_s, 2),
-                "speedup_vs_plain": round(row.tokens_per_s / reference.tokens_per_s, 3) if reference else None,
-                "output_tokens": len(row.runs[0].output),
-                "target_calls": statistics.median(calls) if calls else None,
-                "identical_to_plain": all(run.output == reference.runs[0].output for run in row.runs)
-                if reference
-                else None,
-            }
-        )
-    return results
+def _identical_cell(result: dict[str, Any]) -> str:
+    if result["identical_to_plain"]:
+        return "yes"
+    divergence = result["first_divergence"]
+    return f"no (at {divergence['position']}, gap {divergence['plain_top2_gap']:.3f})" if divergence else "no"
 
 
-def print_table(results: list[dict[str, object]]) -> None:
-    print("| workload | method | tokens/s | vs plain | output tokens | target calls | identical to plain |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | --- |")
+def print_table(results: list[dict[str, Any]]) -> None:
+    print("| workload | method | decode tok/s | vs plain | TTFT s | target calls | committed/call | identical |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for result in results:
-        calls = result["target_calls"] if result["target_calls"] is not None else "-"
+        calls = "-" if result["target_calls"] is None else f"{result['target_calls']:g}"
+        per_call = "-" if result["committed_per_call"] is None else f"{result['committed_per_call']:.2f}"
         print(
-            f"| {result['workload']} | {result['method']} | {result['tokens_per_s']:.1f} | "
-            f"{result['speedup_vs_plain']:.2f}x | {result['output_tokens']} | {calls} | "
-            f"{'yes' if result['identical_to_plain'] else 'NO'} |"
+            f"| {result['workload']} | {result['method']} | {result['tokens_per_s']:.2f} | "
+            f"{result['speedup_vs_plain']:.2f}x | {result['ttft_s']:.2f} | {calls} | {per_call} | "
+            f"{_identical_cell(result)} |"
         )
+
+
+def plot(results: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({result["workload"] for result in results})
+    methods = [method for method in METHODS if any(result["method"] == method for result in results)]
+    figure, (bars, hist) = plt.subplots(1, 2, figsize=(14, 5))
+    width = 0.8 / len(methods)
+    for index, method in enumerate(methods):
+        speedups = [
+            next((r["speedup_vs_plain"] for r in results if r["workload"] == name and r["method"] == method), 0)
+            for name in names
+        ]
+        bars.bar([x + index * width for x in range(len(names))], speedups, width, label=method)
+    bars.axhline(1.0, color="black", linewidth=0.8)
+    bars.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names, rotation=20)
+    bars.set_ylabel("decode tokens/s vs plain")
+    bars.legend(fontsize=8)
+    for method in ("ours_lookup", "ours_draft", "ours_auto"):
+        histograms = [result["accepted_len_hist"] or [] for result in results if result["method"] == method]
+        total = position_sums(histograms)
+        if total:
+            hist.plot(range(len(total)), total, marker="o", label=method)
+    hist.set_xlabel("accepted prefix length per verify")
+    hist.set_ylabel("cycles (all workloads)")
+    hist.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,37 +113,48 @@ def main(argv: list[str] | None = None) -> int:
         prog="specrag bench decode", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="smollm2-135m", help="pack name, HF folder or .gguf path")
+    parser.add_argument("--draft", help="draft model for hf_assisted, ours_draft and ours_auto")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has native bf16), float32, bfloat16")
-    parser.add_argument("--workload", action="append", choices=sorted(BENCH_CASES), help="repeatable; default all")
-    parser.add_argument("--method", action="append", choices=METHODS, help="repeatable; default all")
+    parser.add_argument("--workload", action="append", choices=workloads.names(), help="repeatable; default all")
+    parser.add_argument("--method", action="append", choices=METHODS, help="repeatable; default all that apply")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--gamma", type=int, default=8, help="most draft tokens per cycle for ours")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--json", dest="json_path", help="also write the results as JSON here")
+    parser.add_argument("--max-tokens", type=int, help="override every workload's max_tokens")
+    parser.add_argument("--gamma", type=int, default=8, help="γ of ours_lookup")
+    parser.add_argument("--draft-gamma", type=int, default=4, help="γ of ours_draft")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--quick", action="store_true", help="one workload, one repeat, a few tokens")
+    parser.add_argument("--json", dest="json_path", help="write the results as JSON here")
+    parser.add_argument("--plot", dest="plot_path", help="write a PNG: speed-ups and accepted lengths")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     target = load_model(args.model, dtype=args.dtype)
-    methods = args.method or list(METHODS)
+    draft = load_model(args.draft, dtype=args.dtype) if args.draft else None
+    runner = MethodRunner(target, draft, args.gamma, args.draft_gamma)
+    methods = args.method or [method for method in METHODS if draft is not None or method not in runner.needs_draft]
+    workload_names = args.workload or workloads.names()
+    repeats, max_tokens = args.repeats, args.max_tokens
+    if args.quick:
+        workload_names, repeats, max_tokens = QUICK["workloads"], QUICK["repeats"], QUICK["max_tokens"]
+        methods = [method for method in QUICK["methods"] if method in methods or not args.method]
     if "plain" not in methods:
         methods.insert(0, "plain")  # every ratio is against plain
-    rows = benchmark(target, args.workload or sorted(BENCH_CASES), methods, args.repeats, args.max_tokens, args.gamma)
-    results = report(rows)
+    rows = run_matrix(runner, workload_names, methods, repeats, max_tokens)
+    results = summarise(rows, runner)
     info = {
         "machine": machine(),
         "model": args.model,
+        "draft": args.draft,
         "dtype": str(target.dtype),
-        "repeats": args.repeats,
-        "max_tokens": args.max_tokens,
-        "gamma": args.gamma,
+        "repeats": repeats,
         "results": results,
     }
-    print(f"model {args.model} ({target.dtype}), {args.repeats} repeats, medians; machine: {info['machine']}")
+    print(f"model {args.model} ({target.dtype}), draft {args.draft}, {repeats} repeat(s), medians")
     print_table(results)
     if args.json_path:
-        with Path(args.json_path).open("w") as handle:
-            json.dump(info, handle, indent=2)
+        Path(args.json_path).write_text(json.dumps(info, indent=2))
+    if args.plot_path:
+        plot(results, args.plot_path)
     return 0
 
 

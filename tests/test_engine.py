@@ -192,8 +192,13 @@ def test_a_draft_with_another_vocabulary_is_refused() -> None:
 def test_seeded_sampling_is_reproducible(speculation: str) -> None:
     # With "auto", γ follows measured timings, so a seed fixes the distribution, not the draw.
     def sample() -> list[int]:
-        request = GenerationRequest([1, 2, 3], max_tokens=15, speculation=speculation, stop_token_ids=[],  # type: ignore[arg-type]
-                                    sampling=SamplingParams(temperature=1.0, seed=123))  # fmt: skip
+        request = GenerationRequest(
+            [1, 2, 3],
+            max_tokens=15,
+            speculation=speculation,
+            stop_token_ids=[],  # type: ignore[arg-type]
+            sampling=SamplingParams(temperature=1.0, seed=123),
+        )
         return run(Engine(TARGET, POOR_DRAFT), request)[0]
 
     assert sample() == sample()

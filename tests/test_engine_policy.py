@@ -26,8 +26,14 @@ def test_speculation_backs_off_on_a_misleading_source_and_returns_when_it_turns_
         wrong = [(reference[position] + shift) % VOCAB for shift in (1, 2, 3)]
         decoys += [*reference[position - 3 : position], *wrong]
     passage = decoys + reference[45:]
-    engine = Engine(TARGET, min_ngram=3, max_ngram=3, cost_model=FROZEN_COSTS, debug=True,
-                    policy=PolicyConfig(probe_interval=4, probe_gamma=2))  # fmt: skip
+    engine = Engine(
+        TARGET,
+        min_ngram=3,
+        max_ngram=3,
+        cost_model=FROZEN_COSTS,
+        debug=True,
+        policy=PolicyConfig(probe_interval=4, probe_gamma=2),
+    )
     request = GenerationRequest(prompt, max_tokens=90, speculation="auto", stop_token_ids=[], lookup_sources=[passage])
     output, final = run(engine, request)
     stats = final.stats
@@ -76,14 +82,22 @@ def test_speculative_safe_processors_keep_greedy_parity() -> None:
     prompt = repetitive_prompt(11, 30)
     plain_output = plain_reference(prompt, 40)
     processors = [BanToken(plain_output[3]), NoRepeatLastToken()]
-    reference = run(Engine(TARGET), GenerationRequest(prompt, max_tokens=40, speculation="off", stop_token_ids=[],
-                                                      logits_processors=processors))[0]  # fmt: skip
+    reference = run(
+        Engine(TARGET),
+        GenerationRequest(prompt, max_tokens=40, speculation="off", stop_token_ids=[], logits_processors=processors),
+    )[0]
     assert plain_output[3] not in reference
     assert all(left != right for left, right in itertools.pairwise(reference))
     for draft_model in (None, TARGET, POOR_DRAFT):
         engine = Engine(TARGET, draft_model, debug=True, min_ngram=1)
-        request = GenerationRequest(prompt, max_tokens=40, speculation="on", stop_token_ids=[],
-                                    logits_processors=processors, lookup_sources=[prompt[::-1]])  # fmt: skip
+        request = GenerationRequest(
+            prompt,
+            max_tokens=40,
+            speculation="on",
+            stop_token_ids=[],
+            logits_processors=processors,
+            lookup_sources=[prompt[::-1]],
+        )
         output, final = run(engine, request)
         assert output == reference
         assert final.stats.drafted_tokens > 0
@@ -101,8 +115,9 @@ def test_an_unsafe_processor_turns_auto_speculation_off() -> None:
 
 def test_batch_gate_fires_when_too_many_sequences_are_active() -> None:
     engine = Engine(TARGET, TARGET, cost_model=FROZEN_COSTS, policy=PolicyConfig(max_active_sequences=1))
-    ids = [engine.add(GenerationRequest(repetitive_prompt(seed, 20), max_tokens=8, stop_token_ids=[]))
-           for seed in (1, 2)]  # fmt: skip
+    ids = [
+        engine.add(GenerationRequest(repetitive_prompt(seed, 20), max_tokens=8, stop_token_ids=[])) for seed in (1, 2)
+    ]
     finals = {}
     while engine.has_unfinished():
         for event in engine.step():

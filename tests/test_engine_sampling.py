@@ -38,16 +38,23 @@ def exact_second_and_third_token() -> torch.Tensor:
 def sampled_second_and_third_token() -> torch.Tensor:
     engine = Engine(TARGET, DRAFT, default_drafter="model")
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    rejections = 0
     for seed in range(RUNS):
         request = GenerationRequest(
             PROMPT,
             max_tokens=4,
+            speculation="on",
             num_speculative_tokens=2,
             stop_token_ids=[],
             sampling=SamplingParams(temperature=1.0, top_k=5, seed=seed),
         )
-        output = [token for event in engine.generate(request) for token in event.token_ids]
+        events = list(engine.generate(request))
+        output = [token for event in events for token in event.token_ids]
         counts[output[1], output[2]] += 1
+        stats = events[-1].stats
+        assert stats is not None and stats.drafted_tokens > 0  # every run really speculated
+        rejections += stats.wasted_verify_tokens > 0
+    assert rejections > RUNS // 10  # and the residual path ran often
     return counts
 
 

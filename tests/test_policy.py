@@ -29,8 +29,9 @@ def brute_force_rate(rates: list[float], cost: CostModel, draft_cost: float, gam
     draft_cost=st.sampled_from([0.0, 0.05, 0.3]),
     max_gamma=st.integers(1, 8),
 )
-def test_chosen_gamma_is_the_argmax_of_the_rate_model(rates: list[float], slope: float, draft_cost: float,
-                                                      max_gamma: int) -> None:  # fmt: skip
+def test_chosen_gamma_is_the_argmax_of_the_rate_model(
+    rates: list[float], slope: float, draft_cost: float, max_gamma: int
+) -> None:
     cost = CostModel({k: 1.0 + slope * (k - 1) for k in (1, 2, 4, 8, 16)})
     estimate = AcceptanceEstimate(prior=0.5, decay=0.3, rates=list(rates))
     gamma, rate = best_gamma(estimate, cost, draft_cost, max_gamma)
@@ -59,8 +60,14 @@ def test_cost_model_interpolates_and_follows_observations() -> None:
     cost = CostModel({1: 1.0, 4: 1.3, 8: 2.1}, decay=0.5)
     assert cost.forward_seconds(2) == pytest.approx(1.1)
     assert cost.forward_seconds(16) == pytest.approx(3.7)  # extrapolated from 4 and 8
-    cost.observe_forward(4, 2.3)
+    cost.observe_forward(4, 2.3)  # 2.3 / 1.3: the machine got slower
     assert cost.forward_seconds(4) == pytest.approx(1.8)
+    step = 0.5 * (2.3 / 1.3 - 1)  # unobserved points keep their shape and follow the level
+    assert cost.forward_seconds(1) == pytest.approx(1.0 * (1 + step))
+    assert cost.forward_seconds(8) == pytest.approx(2.1 * (1 + step))
+    for _ in range(30):
+        cost.observe_forward(1, 0.5)
+    assert cost.forward_seconds(1) == pytest.approx(0.5, rel=1e-3)
 
 
 def make_policy(mode: str = "auto", supported: bool = True, **config: object) -> RequestPolicy:
@@ -84,8 +91,9 @@ def test_each_gate_fires_with_its_reason(
 
 @pytest.mark.parametrize(("setup", "override"), [(0, 32), (10_000, None)])
 def test_short_output_gate_spares_a_costly_drafter(setup: int, override: int | None) -> None:
-    decision = make_policy().for_costly_drafter("draft_model", 4, 0.1, setup, remaining_tokens=20,
-                                                min_output_tokens=override)  # fmt: skip
+    decision = make_policy().for_costly_drafter(
+        "draft_model", 4, 0.1, setup, remaining_tokens=20, min_output_tokens=override
+    )
     assert decision == policy.Decision(0, policy.SHORT_OUTPUT)
 
 

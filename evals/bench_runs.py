@@ -1,0 +1,191 @@
+"""One timed run of one decoding method, and the per-method summary the benchmark reports."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from decoding import Engine, GenerationRequest, GenerationStats
+from decoding.model import CausalLM
+from decoding.numerics import find_divergence
+from evals.workloads import Encoded
+
+METHODS = ("plain", "hf", "hf_prompt_lookup", "hf_assisted", "ours_lookup", "ours_draft", "ours_auto")
+
+
+@dataclass
+class Run:
+    prompt: list[int]
+    output: list[int]
+    seconds: float
+    ttft: float  # seconds until the first output token
+    stats: GenerationStats | None = None
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first, per second after the first: the decode speed."""
+        decode_seconds = self.seconds - self.ttft
+        return (len(self.output) - 1) / decode_seconds if len(self.output) > 1 and decode_seconds > 0 else 0.0
+
+
+@dataclass
+class Row:
+    workload: str
+    method: str
+    runs: list[Run] = field(default_factory=list)
+
+
+class _FirstTokenClock(BaseStreamer):
+    """transformers calls put() with the prompt first, then with each new token(s)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first_token_at: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+class MethodRunner:
+    needs_draft = frozenset({"hf_assisted", "ours_draft"})
+
+    def __init__(self, target: CausalLM, draft: CausalLM | None, gamma: int = 8, draft_gamma: int = 4) -> None:
+        self.target = target
+        self.draft = draft
+        self.gamma = gamma
+        self.draft_gamma = draft_gamma
+        self.engine = Engine(target, draft)
+        self.engine.calibrate()  # before any timing: ours_auto's cost model
+
+    def run(self, method: str, encoded: Encoded, max_tokens: int) -> Run:
+        if method.startswith("hf"):
+            return self._run_hf(method, encoded.prompt, max_tokens)
+        speculation, drafter, gamma = {
+            "plain": ("off", None, self.gamma),
+            "ours_lookup": ("on", "lookup", self.gamma),
+            "ours_draft": ("on", "model", self.draft_gamma),
+            "ours_auto": ("auto", None, self.gamma),
+        }[method]
+        request = GenerationRequest(
+            encoded.prompt,
+            max_tokens=max_tokens,
+            speculation=speculation,  # type: ignore[arg-type]
+            drafter=drafter,  # type: ignore[arg-type]
+            num_speculative_tokens=gamma,
+            lookup_sources=encoded.passages,
+            lookup_source_names=encoded.passage_names,
+        )
+        output: list[int] = []
+        first_token_at = None
+        start = time.perf_counter()
+        for event in self.engine.generate(request):
+            output += event.token_ids
+            first_token_at = first_token_at or time.perf_counter()
+            stats = event.stats
+        seconds = time.perf_counter() - start
+        return Run(encoded.prompt, output, seconds, (first_token_at or start) - start, stats)
+
+    def _run_hf(self, method: str, prompt: list[int], max_tokens: int) -> Run:
+        input_ids = torch.tensor([prompt], device=self.target.device)
+        eos = sorted(self.target.eos_token_ids())
+        extra: dict[str, Any] = {}
+        if method == "hf_prompt_lookup":
+            extra["prompt_lookup_num_tokens"] = 10
+        elif method == "hf_assisted":
+            assert self.draft is not None
+            extra["assistant_model"] = self.draft.model
+        clock = _FirstTokenClock()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            output = self.target.model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos[0],
+                streamer=clock,
+                **extra,
+            )
+        seconds = time.perf_counter() - start
+        ttft = (clock.first_token_at or start + seconds) - start
+        return Run(prompt, output[0, len(prompt) :].tolist(), seconds, ttft)
+
+
+def machine() -> dict[str, object]:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def position_sums(lists: list[list[int]]) -> list[int]:
+    width = max((len(values) for values in lists), default=0)
+    return [sum(values[index] for values in lists if index < len(values)) for index in range(width)]
+
+
+def _speculation_summary(stats: list[GenerationStats]) -> dict[str, Any]:
+    if not stats:
+        keys = ("target_calls", "committed_per_call", "acceptance_by_position", "accepted_len_hist")
+        return dict.fromkeys(keys)
+    drafted = position_sums([stat.drafted_by_position for stat in stats])
+    accepted = position_sums([stat.acceptance_by_position for stat in stats])
+    reasons: Counter[str] = Counter()
+    for stat in stats:
+        reasons.update(stat.speculation_off_reasons)
+    return {
+        "target_calls": statistics.median(stat.target_calls for stat in stats),
+        "committed_per_call": statistics.median(stat.committed_per_call for stat in stats),
+        "acceptance_by_position": [round(a / d, 3) if d else None for a, d in zip(accepted, drafted, strict=True)],
+        "accepted_len_hist": position_sums([stat.accepted_len_hist for stat in stats]),
+        "speculation_off_reasons": dict(reasons),
+    }
+
+
+def summarise(rows: list[Row], runner: MethodRunner) -> list[dict[str, Any]]:
+    plain = {row.workload: row for row in rows if row.method == "plain"}
+    results = []
+    for row in rows:
+        reference = plain[row.workload].runs[0]
+        speed = statistics.median(run.decode_tokens_per_s for run in row.runs)
+        plain_speed = statistics.median(run.decode_tokens_per_s for run in plain[row.workload].runs)
+        different = next((run for run in row.runs if run.output != reference.output), None)
+        divergence = None
+        if different is not None:
+            found = find_divergence(runner.target, reference.prompt, reference.output, different.output)
+            divergence = {"position": found.position, "plain_top2_gap": found.plain_top2_gap} if found else None
+        runs = row.runs
+        results.append(
+            {
+                "workload": row.workload,
+                "method": row.method,
+                "tokens_per_s": round(speed, 3),
+                "speedup_vs_plain": round(speed / plain_speed, 3) if plain_speed else None,
+                "end_to_end_tokens_per_s": round(statistics.median(len(r.output) / r.seconds for r in runs), 3),
+                "output_tokens": len(runs[0].output),
+                "ttft_s": round(statistics.median(run.ttft for run in runs), 3),
+                "tpot_s": round(1 / speed, 4) if speed else None,
+                "identical_to_plain": different is None,
+                "first_divergence": divergence,
+                **_speculation_summary([run.stats for run in runs if run.stats is not None]),
+            }
+        )
+    return results

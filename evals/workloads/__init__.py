@@ -1,0 +1,112 @@
+"""Benchmark workloads: JSON files in this folder, prompts built from the sample corpus.
+
+Fields: ``name``, ``description``, ``question`` (may hold ``{code}``), ``system`` (may hold
+``{tools}``), ``topics`` (passages from ``pydoc_data.topics``, shown as [P1]..[Pn]),
+``passage_chars`` (cut each passage at a paragraph break before this; 0 = whole topic),
+``prompt_token_budget`` (passages past it are not shown but still feed prompt lookup),
+``min_passage_tokens`` (a check that the passages are really that long), ``code``
+(``{"topic", "starts_with"}``: an indented code block taken from the corpus), ``tools``
+(JSON schemas listed in the system prompt) and ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import json
+import pydoc_data.topics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from evals.prompts import SYSTEM, corpus_passage
+
+FOLDER = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Encoded:
+    prompt: list[int]
+    passages: list[list[int]]  # every passage, shown or not, for prompt lookup
+    passage_names: list[str]
+    shown_passages: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    description: str
+    question: str
+    max_tokens: int = 128
+    topics: tuple[str, ...] = ()
+    system: str | None = None
+    passage_chars: int = 900
+    prompt_token_budget: int | None = None
+    min_passage_tokens: int = 0
+    code: dict[str, str] | None = None
+    tools: tuple[dict[str, Any], ...] = field(default_factory=tuple)
+
+    def passages(self) -> list[str]:
+        return [
+            corpus_passage(topic, self.passage_chars) if self.passage_chars else pydoc_data.topics.topics[topic].strip()
+            for topic in self.topics
+        ]
+
+    def user_text(self, shown: list[str]) -> str:
+        question = self.question.replace("{code}", corpus_code(**self.code)) if self.code else self.question
+        if not shown:
+            return question
+        listed = "\n\n".join(f"[P{index}] {text}" for index, text in enumerate(shown, start=1))
+        return f"Passages:\n{listed}\n\nQuestion: {question}"
+
+    def messages(self, shown: list[str]) -> list[dict[str, str]]:
+        system = self.system or (SYSTEM if self.topics else None)
+        if system and self.tools:
+            system = system.replace("{tools}", "\n".join(json.dumps(tool) for tool in self.tools))
+        user = {"role": "user", "content": self.user_text(shown)}
+        return [{"role": "system", "content": system}, user] if system else [user]
+
+    def encode(self, tokenizer: Any, context_limit: int) -> Encoded:
+        """Token ids of the prompt (passages shown while they fit) and of every passage."""
+        texts = self.passages()
+        passage_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+        total = sum(len(ids) for ids in passage_ids)
+        if total < self.min_passage_tokens:
+            raise ValueError(
+                f"workload {self.name}: passages hold {total} tokens, fewer than {self.min_passage_tokens}"
+            )
+        budget = min(self.prompt_token_budget or context_limit, context_limit - self.max_tokens - 64)
+        shown = len(texts)
+        prompt = _chat_ids(tokenizer, self.messages(texts))
+        while len(prompt) > budget and shown > 0:
+            shown -= 1
+            prompt = _chat_ids(tokenizer, self.messages(texts[:shown]))
+        names = [f"P{index}" for index in range(1, len(texts) + 1)]
+        return Encoded(prompt, passage_ids, names, shown)
+
+
+def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+def corpus_code(topic: str, starts_with: str) -> str:
+    """The indented block of the topic that starts with ``starts_with``, dedented."""
+    lines = pydoc_data.topics.topics[topic].splitlines()
+    start = next(index for index, line in enumerate(lines) if line.startswith(starts_with))
+    block = [lines[start]]
+    for line in lines[start + 1 :]:
+        if line.strip() and not line.startswith("    "):
+            break
+        block.append(line)
+    indent = len(starts_with) - len(starts_with.lstrip())
+    return "\n".join(line[indent:] for line in block).strip("\n")
+
+
+def load(name: str) -> Workload:
+    data = json.loads((FOLDER / f"{name}.json").read_text())
+    data["topics"] = tuple(data.get("topics", ()))
+    data["tools"] = tuple(data.get("tools", ()))
+    return Workload(**data)
+
+
+def names() -> list[str]:
+    return sorted(path.stem for path in FOLDER.glob("*.json"))
