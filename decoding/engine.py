@@ -33,7 +33,7 @@ from decoding.drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
 from decoding.drafters.model_drafter import SOURCE as MODEL_SOURCE
 from decoding.kv import SequenceKV
 from decoding.model import CausalLM
-from decoding.policy import CostModel, PolicyConfig, RequestPolicy
+from decoding.policy import CostModel, Decision, PolicyConfig, RequestPolicy
 from decoding.request import (
     DrafterKind,
     GenerationEvent,
@@ -182,16 +182,29 @@ class Engine:
         if plan.gamma == 0:
             return self._plain_step(seq, plan.reason)
         off_reason: str | None = policies.NO_PROPOSAL
+        best: tuple[Decision, Drafter, Draft | None] | None = None
         for drafter in seq.drafters:
-            draft, off_reason = self._draft(seq, drafter, plan.gamma, remaining)
-            if draft is not None:
-                return self._speculative_step(seq, draft)
-        return self._plain_step(seq, off_reason)
+            choice, draft = self._consider(seq, drafter, plan.gamma, remaining)
+            if choice.gamma == 0:
+                off_reason = choice.reason
+            elif best is None or choice.rate > best[0].rate:
+                best = (choice, drafter, draft)
+            if best is not None and seq.policy.mode != "auto":
+                break  # "on": the first drafter with a proposal, in order of preference
+        if best is None:
+            return self._plain_step(seq, off_reason)
+        choice, drafter, draft = best
+        if draft is None:  # a costly drafter is only asked once it has won
+            draft = self._propose(seq, drafter, choice.gamma)
+            if not draft.tokens:
+                return self._plain_step(seq, policies.NO_PROPOSAL)
+        seq.stats.probe_cycles += choice.reason == "probe"
+        return self._speculative_step(seq, _truncate(draft, choice.gamma))
 
-    def _draft(self, seq: _Sequence, drafter: Drafter, cap: int, remaining: int) -> tuple[Draft | None, str | None]:
-        """Ask one drafter, as far as the policy finds it worth; (draft, None) or (None, reason)."""
-        costly = isinstance(drafter, ModelDrafter)
-        if costly:
+    def _consider(self, seq: _Sequence, drafter: Drafter, cap: int, remaining: int) -> tuple[Decision, Draft | None]:
+        """What one drafter would verify this cycle. A free drafter (prompt lookup) proposes
+        right away; a costly one (a model) is judged on its estimates before drafting."""
+        if isinstance(drafter, ModelDrafter):
             choice = seq.policy.for_costly_drafter(
                 MODEL_SOURCE,
                 cap,
@@ -200,22 +213,19 @@ class Engine:
                 remaining_tokens=remaining,
                 min_output_tokens=seq.request.min_tokens_for_speculation,
             )
-            if choice.gamma == 0:
-                return None, choice.reason
-            cap = choice.gamma
+            return choice, None
+        draft = self._propose(seq, drafter, cap)
+        if not draft.tokens:
+            return Decision(0, policies.NO_PROPOSAL), None
+        return seq.policy.for_draft(draft.source, len(draft.tokens)), draft
+
+    def _propose(self, seq: _Sequence, drafter: Drafter, gamma: int) -> Draft:
         with seq.stats.timed("draft"):
             start = time.perf_counter()
-            draft = drafter.propose(seq.tokens, cap)
-            if costly and draft.tokens and self.cost_model is not None:
+            draft = drafter.propose(seq.tokens, gamma)
+            if isinstance(drafter, ModelDrafter) and draft.tokens and self.cost_model is not None:
                 self.cost_model.observe_draft_token((time.perf_counter() - start) / len(draft.tokens))
-        if not draft.tokens:
-            return None, policies.NO_PROPOSAL
-        if not costly:
-            choice = seq.policy.for_draft(draft.source, len(draft.tokens))
-            if choice.gamma == 0:
-                return None, choice.reason
-        seq.stats.probe_cycles += choice.reason == "probe"
-        return _truncate(draft, choice.gamma), None
+        return draft
 
     def _prefill(self, seq: _Sequence) -> list[int]:
         with seq.stats.timed("prefill"):

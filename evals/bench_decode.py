@@ -18,6 +18,7 @@ logit gap there (the near-tie rule of ``decoding/numerics.py``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from decoding.model import load_model
+from decoding.policy import PolicyConfig
 from evals import workloads
 from evals.bench_runs import METHODS, MethodRunner, Row, machine, position_sums, summarise
 
@@ -108,6 +110,17 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
     figure.savefig(path, dpi=110)
 
 
+def policy_config(overrides: list[str]) -> PolicyConfig:
+    fields = {field.name: field.type for field in dataclasses.fields(PolicyConfig)}
+    values: dict[str, Any] = {}
+    for override in overrides:
+        name, _, value = override.partition("=")
+        if name not in fields:
+            raise SystemExit(f"--policy: unknown field {name!r}; fields: {', '.join(fields)}")
+        values[name] = float(value) if "." in value else int(value)
+    return PolicyConfig(**values)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="specrag bench decode", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -122,6 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gamma", type=int, default=8, help="γ of ours_lookup")
     parser.add_argument("--draft-gamma", type=int, default=4, help="γ of ours_draft")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a PolicyConfig field of ours_auto, e.g. acceptance_prior=0.7",
+    )
     parser.add_argument("--quick", action="store_true", help="one workload, one repeat, a few tokens")
     parser.add_argument("--json", dest="json_path", help="write the results as JSON here")
     parser.add_argument("--plot", dest="plot_path", help="write a PNG: speed-ups and accepted lengths")
@@ -130,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     target = load_model(args.model, dtype=args.dtype)
     draft = load_model(args.draft, dtype=args.dtype) if args.draft else None
-    runner = MethodRunner(target, draft, args.gamma, args.draft_gamma)
+    runner = MethodRunner(target, draft, args.gamma, args.draft_gamma, policy_config(args.policy))
     methods = args.method or [method for method in METHODS if draft is not None or method not in runner.needs_draft]
     workload_names = args.workload or workloads.names()
     repeats, max_tokens = args.repeats, args.max_tokens

@@ -96,6 +96,27 @@ MUTATIONS = (
         ("tests/test_prompt_lookup.py",),
     ),
     Mutation(
+        "policy_never_probes_after_backing_off",
+        "decoding/policy.py",
+        "if estimate.declined > self.config.probe_interval:",
+        "if False:",
+        ("tests/test_policy.py", "tests/test_engine_policy.py"),
+    ),
+    Mutation(
+        "gamma_choice_ignores_verify_cost",
+        "decoding/policy.py",
+        "seconds = gamma * draft_token_seconds + cost.forward_seconds(gamma + 1)",
+        "seconds = cost.forward_seconds(1)",
+        ("tests/test_policy.py",),
+    ),
+    Mutation(
+        "unsafe_logits_processor_not_gated",
+        "decoding/policy.py",
+        "if not self.supported:",
+        "if False:",
+        ("tests/test_policy.py", "tests/test_engine_policy.py"),
+    ),
+    Mutation(
         "near_tie_tolerance_zero",
         "decoding/numerics.py",
         "return 2.0 * math.sqrt(num_layers) * bf16_ulp(top_logit)",

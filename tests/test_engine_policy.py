@@ -142,3 +142,19 @@ def test_auto_calibrates_a_cost_model_when_none_is_given() -> None:
     assert engine.cost_model is None
     run(engine, GenerationRequest([1, 2, 3], max_tokens=4, stop_token_ids=[]))
     assert engine.cost_model is not None and engine.cost_model.forward_seconds(8) > 0
+
+
+def test_auto_prefers_the_drafter_with_the_better_expected_rate() -> None:
+    prompt = list(range(40, 48))
+    reference = plain_reference(prompt, 60)
+    # A passage that always matches the output's n-grams but continues wrongly: lookup has
+    # a proposal every cycle, and the target drafting for itself is always right.
+    decoys = []
+    for position in range(3, 60):
+        decoys += [*reference[position - 3 : position], (reference[position] + 1) % VOCAB]
+    engine = Engine(TARGET, TARGET, min_ngram=3, max_ngram=3, cost_model=FROZEN_COSTS, debug=True)
+    request = GenerationRequest(prompt, max_tokens=60, stop_token_ids=[], lookup_sources=[decoys])
+    output, final = run(engine, request)
+    assert output == reference
+    by_source = final.stats.accepted_by_source
+    assert by_source["draft_model"] > 30 and by_source["passage:0"] <= 2

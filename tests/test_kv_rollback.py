@@ -76,6 +76,7 @@ def test_engine_caches_match_fresh_forwards_after_every_sampled_cycle() -> None:
     request = GenerationRequest(
         [5, 6, 7, 8],
         max_tokens=40,
+        speculation="on",
         stop_token_ids=[],
         num_speculative_tokens=5,
         sampling=SamplingParams(temperature=1.0, seed=9),
