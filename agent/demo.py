@@ -65,7 +65,7 @@ def run_demo(
     if not as_json:
         print(f"model {model_name} ({model.dtype}); passage [P1] = sample corpus topic {topic!r}")
         print(f"Q: {question}\nA: ", end="")
-    answer, stats, seconds = stream_answer(model, case, "on", max_tokens, echo=not as_json)
+    answer, stats, seconds = stream_answer(model, case, "auto", max_tokens, echo=not as_json)
     result: dict[str, Any] = {"answer": answer, "speculative": summary(stats, seconds)}
     if compare:
         plain_answer, plain_stats, plain_seconds = stream_answer(model, case, "off", max_tokens, echo=False)

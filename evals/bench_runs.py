@@ -157,7 +157,7 @@ def position_sums(lists: list[list[int]]) -> list[int]:
 
 def _speculation_summary(stats: list[GenerationStats]) -> dict[str, Any]:
     if not stats:
-        keys = ("target_calls", "committed_per_call", "acceptance_by_position", "accepted_len_hist")
+        keys = ("target_calls", "committed_per_call", "acceptance_by_position", "accepted_len_hist", "stage_seconds")
         return dict.fromkeys(keys)
     drafted = position_sums([stat.drafted_by_position for stat in stats])
     accepted = position_sums([stat.acceptance_by_position for stat in stats])
@@ -170,6 +170,10 @@ def _speculation_summary(stats: list[GenerationStats]) -> dict[str, Any]:
         "acceptance_by_position": [round(a / d, 3) if d else None for a, d in zip(accepted, drafted, strict=True)],
         "accepted_len_hist": position_sums([stat.accepted_len_hist for stat in stats]),
         "speculation_off_reasons": dict(reasons),
+        "stage_seconds": {
+            stage: round(statistics.median(getattr(stat, f"{stage}_s") for stat in stats), 3)
+            for stage in ("prefill", "decode", "draft", "verify", "accept", "rollback")
+        },
     }
 
 

@@ -1,0 +1,51 @@
+"""Render a benchmark JSON (``bench_decode --json``) as the compact table the README shows.
+
+python -m evals.report_table evals/reports/bench_smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from evals.bench_runs import METHODS
+
+
+def table(report: dict[str, Any]) -> str:
+    results = report["results"]
+    workloads = list(dict.fromkeys(result["workload"] for result in results))
+    methods = [method for method in METHODS if method != "plain" and any(r["method"] == method for r in results)]
+    lines = [
+        "| workload | plain tok/s | " + " | ".join(methods) + " | auto committed/call | all identical |",
+        "| --- | ---: | " + " | ".join("---:" for _ in methods) + " | ---: | --- |",
+    ]
+    for workload in workloads:
+        rows = {result["method"]: result for result in results if result["workload"] == workload}
+        cells = []
+        for method in methods:
+            speedup = rows[method]["speedup_vs_plain"] if method in rows else None
+            cell = "-" if speedup is None else f"{speedup:.2f}x"
+            cells.append(f"**{cell}**" if method == "ours_auto" else cell)
+        auto = rows.get("ours_auto", {}).get("committed_per_call")
+        identical = "yes" if all(row["identical_to_plain"] for row in rows.values()) else "NO"
+        lines.append(
+            f"| {workload} | {rows['plain']['tokens_per_s']:.2f} | "
+            + " | ".join(cells)
+            + f" | {'-' if auto is None else f'{auto:.2f}'} | {identical} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("report")
+    args = parser.parse_args(argv)
+    print(table(json.loads(Path(args.report).read_text())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
