@@ -31,6 +31,8 @@ from decoding import policy as policies
 from decoding.acceptance import greedy_accept, speculative_accept
 from decoding.drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
 from decoding.drafters.model_drafter import SOURCE as MODEL_SOURCE
+from decoding.forward_timer import ForwardTimer
+from decoding.grammar import GrammarForcedDrafter, GrammarState, mask_logits
 from decoding.kv import SequenceKV
 from decoding.model import CausalLM
 from decoding.policy import CostModel, Decision, PolicyConfig, RequestPolicy
@@ -47,8 +49,6 @@ from decoding.stats import GenerationStats
 
 __all__ = ["Engine", "GenerationEvent", "GenerationRequest"]
 
-_CALIBRATION_CONTEXT = 256  # tokens of synthetic context the cost model is measured at
-
 
 @dataclass
 class _Sequence:
@@ -61,6 +61,7 @@ class _Sequence:
     generator: torch.Generator
     stop_ids: frozenset[int]
     stats: GenerationStats
+    grammar: GrammarState | None = None
     prefilled: bool = False
     finish_reason: str | None = None
 
@@ -117,16 +118,18 @@ class Engine:
             self.cost_model,
             supported=speculation_supported(request),
         )
+        grammar = GrammarState(request.grammar, stop_ids, self.target.vocab_size) if request.grammar else None
         self._active[seq_id] = _Sequence(
             seq_id=seq_id,
             request=request,
             tokens=list(request.prompt_tokens),
             kv=self.target.new_kv(),
-            drafters=self._make_drafters(request, drafter_kind, generator),
+            drafters=self._make_drafters(request, drafter_kind, generator, grammar),
             policy=request_policy,
             generator=generator,
             stop_ids=stop_ids,
             stats=GenerationStats(prompt_tokens=len(request.prompt_tokens)),
+            grammar=grammar,
         )
         return seq_id
 
@@ -152,8 +155,8 @@ class Engine:
 
     def calibrate(self) -> CostModel:
         """Measure the cost model: target forwards over 1..16 tokens, draft token costs."""
-        draft_timer = _ForwardTimer(self.draft) if self.draft is not None else None
-        self.cost_model = CostModel.measure(_ForwardTimer(self.target), draft_timer)
+        draft_timer = ForwardTimer(self.draft) if self.draft is not None else None
+        self.cost_model = CostModel.measure(ForwardTimer(self.target), draft_timer)
         return self.cost_model
 
     # -- one cycle ------------------------------------------------------------------------
@@ -231,9 +234,12 @@ class Engine:
         with seq.stats.timed("prefill"):
             logits = self.target.prefill(seq.kv, seq.tokens)
             logits = apply_processors(seq.request.logits_processors, seq.tokens, logits)
+        logits = self._mask_next(seq, logits)
         seq.stats.target_calls += 1
         seq.prefilled = True
-        return self._commit(seq, [select_token(logits, seq.request.sampling, seq.generator)])
+        token = select_token(logits, seq.request.sampling, seq.generator)
+        self._grammar_accept(seq, token)
+        return self._commit(seq, [token])
 
     def _plain_step(self, seq: _Sequence, off_reason: str | None) -> list[int]:
         with seq.stats.timed("decode"):
@@ -241,7 +247,9 @@ class Engine:
             logits = self.target.forward(seq.kv, seq.tokens[-1:], last_only=True)[-1]
             self._observe_forward(1, start)
             logits = apply_processors(seq.request.logits_processors, seq.tokens, logits)
-            token = select_token(logits, seq.request.sampling, seq.generator)
+        logits = self._mask_next(seq, logits)
+        token = select_token(logits, seq.request.sampling, seq.generator)
+        self._grammar_accept(seq, token)
         seq.stats.target_calls += 1
         seq.stats.record_plain(off_reason)
         for drafter in seq.drafters:
@@ -249,14 +257,34 @@ class Engine:
         return self._commit(seq, [token])
 
     def _speculative_step(self, seq: _Sequence, draft: Draft) -> list[int]:
+        bitmask = None
+        if seq.grammar is not None:  # candidates after the first ungrammatical one are never verified
+            with seq.stats.timed("grammar"):
+                valid_len, bitmask = seq.grammar.advance_chain(draft.tokens)
+            draft = _truncate(draft, valid_len)
+            if not draft.tokens:
+                return self._plain_step(seq, policies.GRAMMAR_REJECTED)
         kept_before = len(seq.kv)
         with seq.stats.timed("verify"):
             start = time.perf_counter()
             target_logits = self.target.forward(seq.kv, [seq.tokens[-1], *draft.tokens])
             self._observe_forward(len(draft.tokens) + 1, start)
         seq.stats.target_calls += 1
+        processors = seq.request.logits_processors
+        if processors:  # row i follows the committed tokens and the first i drafts
+            rows = [
+                apply_processors(processors, [*seq.tokens, *draft.tokens[:i]], row)
+                for i, row in enumerate(target_logits)
+            ]
+            target_logits = torch.stack(rows)
+        if bitmask is not None:  # after the processors, as on the plain path and for q
+            with seq.stats.timed("grammar"):
+                target_logits = mask_logits(target_logits, bitmask)
         with seq.stats.timed("accept"):
             accepted_len, committed = self._accept(seq, draft, target_logits)
+        if seq.grammar is not None:
+            with seq.stats.timed("grammar"):
+                seq.grammar.settle(len(draft.tokens), committed)
         with seq.stats.timed("rollback"):
             # Keep the pending token and the accepted drafts; drop the rejected suffix.
             seq.kv.crop(kept_before + 1 + accepted_len)
@@ -267,13 +295,6 @@ class Engine:
         return self._commit(seq, committed)
 
     def _accept(self, seq: _Sequence, draft: Draft, target_logits: torch.Tensor) -> tuple[int, list[int]]:
-        processors = seq.request.logits_processors
-        if processors:  # row i follows the committed tokens and the first i drafts
-            rows = [
-                apply_processors(processors, [*seq.tokens, *draft.tokens[:i]], row)
-                for i, row in enumerate(target_logits)
-            ]
-            target_logits = torch.stack(rows)
         draft_tokens = torch.tensor(draft.tokens, dtype=torch.long)
         sampling = seq.request.sampling
         if sampling.greedy:
@@ -294,8 +315,11 @@ class Engine:
         for token in committed:
             seq.tokens.append(token)
             emitted.append(token)
-            if token in seq.stop_ids or self._ends_with_stop_sequence(seq):
+            if token in seq.stop_ids:
                 seq.finish_reason = "stop"
+            elif self._ends_with_stop_sequence(seq):
+                # Inside an unfinished constrained span the output is not a complete document.
+                seq.finish_reason = "length" if seq.grammar and not seq.grammar.is_completed() else "stop"
             elif seq.output_len >= request.max_tokens:
                 seq.finish_reason = "length"
             if seq.finish_reason:
@@ -309,6 +333,17 @@ class Engine:
                 return True
         return False
 
+    def _mask_next(self, seq: _Sequence, logits: torch.Tensor) -> torch.Tensor:
+        if seq.grammar is None:
+            return logits
+        with seq.stats.timed("grammar"):
+            return mask_logits(logits, seq.grammar.next_bitmask()[0])
+
+    def _grammar_accept(self, seq: _Sequence, token: int) -> None:
+        if seq.grammar is not None:
+            with seq.stats.timed("grammar"):
+                seq.grammar.accept(token)
+
     def _observe_forward(self, tokens: int, start: float) -> None:
         if self.cost_model is not None:
             self.cost_model.observe_forward(tokens, time.perf_counter() - start)
@@ -316,11 +351,11 @@ class Engine:
     # -- set-up and checks --------------------------------------------------------------
 
     def _make_drafters(
-        self, request: GenerationRequest, kind: DrafterKind, generator: torch.Generator
+        self, request: GenerationRequest, kind: DrafterKind, generator: torch.Generator, grammar: GrammarState | None
     ) -> list[Drafter]:
         if request.speculation == "off":
             return []
-        drafters: list[Drafter] = []
+        drafters: list[Drafter] = [GrammarForcedDrafter(grammar)] if grammar is not None else []
         if kind in ("lookup", "both"):
             drafters.append(
                 PromptLookupDrafter(
@@ -333,7 +368,9 @@ class Engine:
             )
         if kind in ("model", "both"):
             assert self.draft is not None
-            processors = request.logits_processors
+            processors = list(request.logits_processors)
+            if grammar is not None:  # q is masked along the draft exactly as p is along the chain
+                processors.append(grammar.draft_processor(len(request.prompt_tokens)))
             processor = functools.partial(apply_processors, processors) if processors else None
             drafters.append(ModelDrafter(self.draft, request.sampling, generator, processor))
         return drafters
@@ -355,23 +392,3 @@ def _truncate(draft: Draft, gamma: int) -> Draft:
         return draft
     probs = draft.probs[:gamma] if draft.probs is not None else None
     return Draft(draft.tokens[:gamma], probs, draft.source)
-
-
-class _ForwardTimer:
-    """Times forwards over k new tokens after a fixed synthetic context, prefilled once."""
-
-    def __init__(self, model: CausalLM) -> None:
-        self.model = model
-        generator = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, model.vocab_size, (_CALIBRATION_CONTEXT + 64,), generator=generator).tolist()
-        self.kv: SequenceKV | None = None
-
-    def __call__(self, tokens: int) -> float:
-        if self.kv is None:
-            self.kv = self.model.new_kv()
-            self.model.prefill(self.kv, self.ids[:_CALIBRATION_CONTEXT])
-        start = time.perf_counter()
-        self.model.forward(self.kv, self.ids[_CALIBRATION_CONTEXT : _CALIBRATION_CONTEXT + tokens])
-        seconds = time.perf_counter() - start
-        self.kv.crop(_CALIBRATION_CONTEXT)
-        return seconds

@@ -7,16 +7,20 @@ reachable; this process sets ``HF_HUB_OFFLINE=1`` unless told otherwise.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from decoding import packs
 from decoding.fast_paths import install_fast_paths
 from decoding.kv import SequenceKV
+
+if TYPE_CHECKING:
+    from decoding.grammar_compile import GrammarCompiler
 
 # Prompts longer than this are prefilled in chunks, so a long prompt never needs one
 # giant activation tensor.
@@ -93,6 +97,15 @@ class CausalLM:
     @property
     def vocab_size(self) -> int:
         return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @functools.cached_property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles JSON-schema and tool-call grammars for this model's vocabulary (cached)."""
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.name!r} has no tokenizer: grammars need its vocabulary")
+        from decoding.grammar_compile import GrammarCompiler
+
+        return GrammarCompiler.for_tokenizer(self.tokenizer, self.vocab_size)
 
     def eos_token_ids(self) -> set[int]:
         """Every id that ends generation: generation config's eos plus the tokenizer's."""

@@ -33,6 +33,7 @@ BATCH_SATURATED = "batch_saturated"  # enough sequences share the target already
 UNSUPPORTED = "unsupported"  # e.g. a logits processor that cannot be applied to q
 LOW_ACCEPTANCE = "low_acceptance"  # the measured acceptance makes a plain step faster
 NO_PROPOSAL = "no_proposal"  # the drafter had nothing to offer
+GRAMMAR_REJECTED = "grammar_rejected"  # the grammar rejected the first candidate
 
 FORWARD_TOKEN_COUNTS = (1, 2, 4, 8, 16)
 

@@ -8,6 +8,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from decoding.grammar import Grammar
 from decoding.policy import SPECULATION_MODES, Speculation
 from decoding.sampling import SamplingParams
 from decoding.stats import GenerationStats
@@ -41,6 +42,7 @@ class GenerationRequest:
     stop_sequences: Sequence[Sequence[int]] = ()  # token-id sequences that end generation
     logits_processors: Sequence[LogitsProcessor] = ()
     min_tokens_for_speculation: int | None = None  # per-endpoint override of the short-output gate
+    grammar: Grammar | None = None  # constrain the output (decoding/grammar_compile.py builds one)
 
 
 @dataclass

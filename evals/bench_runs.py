@@ -14,6 +14,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from decoding import Engine, GenerationRequest, GenerationStats
+from decoding.grammar import Grammar
 from decoding.model import CausalLM
 from decoding.numerics import find_divergence
 from decoding.policy import PolicyConfig
@@ -94,6 +95,7 @@ class MethodRunner:
         }[method]
         request = GenerationRequest(
             encoded.prompt,
+            grammar=self.grammar(encoded.constraint),
             max_tokens=max_tokens,
             speculation=speculation,  # type: ignore[arg-type]
             drafter=drafter,  # type: ignore[arg-type]
@@ -110,6 +112,14 @@ class MethodRunner:
             stats = event.stats
         seconds = time.perf_counter() - start
         return Run(encoded.prompt, output, seconds, (first_token_at or start) - start, stats)
+
+    def grammar(self, constraint: dict[str, Any] | None) -> Grammar | None:
+        if constraint is None:
+            return None
+        compiler = self.target.grammar_compiler
+        if "json_schema" in constraint:
+            return compiler.json_schema(constraint["json_schema"])
+        return compiler.tool_calls(constraint["tools"], allow_text=False)
 
     def _run_hf(self, method: str, prompt: list[int], max_tokens: int) -> Run:
         input_ids = torch.tensor([prompt], device=self.target.device)
@@ -158,6 +168,7 @@ def position_sums(lists: list[list[int]]) -> list[int]:
 def _speculation_summary(stats: list[GenerationStats]) -> dict[str, Any]:
     if not stats:
         keys = ("target_calls", "committed_per_call", "acceptance_by_position", "accepted_len_hist", "stage_seconds")
+        keys += ("target_calls_per_token", "grammar_share", "forced_tokens_accepted")
         return dict.fromkeys(keys)
     drafted = position_sums([stat.drafted_by_position for stat in stats])
     accepted = position_sums([stat.acceptance_by_position for stat in stats])
@@ -172,9 +183,20 @@ def _speculation_summary(stats: list[GenerationStats]) -> dict[str, Any]:
         "speculation_off_reasons": dict(reasons),
         "stage_seconds": {
             stage: round(statistics.median(getattr(stat, f"{stage}_s") for stat in stats), 3)
-            for stage in ("prefill", "decode", "draft", "verify", "accept", "rollback")
+            for stage in ("prefill", "decode", "draft", "verify", "accept", "grammar", "rollback")
         },
+        "target_calls_per_token": statistics.median(
+            stat.target_calls / stat.output_tokens for stat in stats if stat.output_tokens
+        ),
+        # Mask work (fill, apply, advance, roll back) as a share of the time after prefill.
+        "grammar_share": statistics.median(stat.grammar_s / _decode_seconds(stat) for stat in stats),
+        "forced_tokens_accepted": statistics.median(stat.accepted_by_source.get("grammar", 0) for stat in stats),
     }
+
+
+def _decode_seconds(stat: GenerationStats) -> float:
+    stages = ("decode", "draft", "verify", "accept", "grammar", "rollback")
+    return sum(getattr(stat, f"{stage}_s") for stage in stages) or 1.0
 
 
 def summarise(rows: list[Row], runner: MethodRunner) -> list[dict[str, Any]]:

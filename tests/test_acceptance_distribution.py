@@ -18,6 +18,7 @@ import torch
 
 from decoding import acceptance
 from decoding.acceptance import speculative_accept_batch
+from decoding.grammar import mask_logits, pack_allowed
 from decoding.sampling import SamplingParams, probs_from_logits
 
 CYCLES = 50_000
@@ -34,6 +35,8 @@ class ToyPair:
     draft_noise: float | None = None  # draft logits = target logits + noise of this scale
     one_hot_draft: bool = False  # deterministic drafter (prompt lookup): q is one-hot
     context_free: bool = False  # every position uses the same rows (independent acceptance)
+    grammar_mask: bool = False  # a prefix-dependent mask removes part of the support of p and q
+    planted_unmasked_q: bool = False  # bug: drafts drawn from the masked q, the unmasked q passed on
     seed: int = 0
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,11 +65,22 @@ class ToySimulator:
             return torch.zeros_like(state)
         return (state * (self.pair.vocab + 1) + token + 1) % HASH_MODULUS
 
-    def target_probs(self, state: torch.Tensor) -> torch.Tensor:
-        return probs_from_logits(self.target_table[state], self.pair.params).double()
+    def grammar_bitmask(self, state: torch.Tensor) -> torch.Tensor:
+        # About two fifths of the tokens are forbidden, which ones depending on the prefix.
+        tokens = torch.arange(self.pair.vocab)
+        return pack_allowed((state[:, None] * 7 + tokens[None] * 3) % 5 >= 2)
 
-    def draft_probs(self, state: torch.Tensor) -> torch.Tensor:
-        return probs_from_logits(self.draft_table[state], self.pair.params).double()
+    def _probs(self, table: torch.Tensor, state: torch.Tensor, masked: bool = True) -> torch.Tensor:
+        logits = table[state]
+        if self.pair.grammar_mask and masked:  # the engine's mask, applied before the transform
+            logits = mask_logits(logits, self.grammar_bitmask(state))
+        return probs_from_logits(logits, self.pair.params).double()
+
+    def target_probs(self, state: torch.Tensor) -> torch.Tensor:
+        return self._probs(self.target_table, state)
+
+    def draft_probs(self, state: torch.Tensor, masked: bool = True) -> torch.Tensor:
+        return self._probs(self.draft_table, state, masked)
 
     def cycle(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft-verify-accept cycle per row: (accepted_len [B], committed [B, γ+1], -1 padded)."""
@@ -78,6 +92,8 @@ class ToySimulator:
                 q = torch.zeros_like(q).scatter_(-1, token[:, None], 1.0)
             else:
                 token = torch.multinomial(q, 1, generator=self.generator).squeeze(-1)
+                if self.pair.planted_unmasked_q:
+                    q = self.draft_probs(state, masked=False)
             drafts.append(token)
             draft_rows.append(q)
             target_rows.append(self.target_probs(state))
@@ -139,6 +155,9 @@ PAIRS = [
     ToyPair("near_equal", vocab=5, gamma=4, draft_noise=0.05, seed=6),
     ToyPair("one_hot_draft", vocab=6, gamma=3, one_hot_draft=True, seed=7),
     ToyPair("gamma_1_vocab_4", vocab=4, gamma=1, seed=8),
+    ToyPair("grammar_mask", vocab=8, gamma=3, grammar_mask=True, seed=9),
+    ToyPair("grammar_mask_top_p", vocab=10, gamma=2, params=SamplingParams(1.2, top_p=0.9), grammar_mask=True, seed=10),
+    ToyPair("grammar_mask_one_hot", vocab=6, gamma=3, one_hot_draft=True, grammar_mask=True, seed=15),
 ]
 
 
@@ -211,3 +230,11 @@ def test_progress_check_rejects_a_biased_acceptance(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(acceptance, "_acceptance_probability", lambda *args: 0.9 * honest(*args))
     mean, expected, standard_error = _mean_committed(PROGRESS_PAIRS[1], 40_000)
     assert abs(mean - expected) > 4 * standard_error
+
+
+def test_the_g_test_rejects_a_q_that_missed_the_grammar_mask() -> None:
+    """Drafts drawn from the masked q, but the acceptance rule given the unmasked q."""
+    pair = ToyPair("unmasked_q", vocab=8, gamma=3, grammar_mask=True, planted_unmasked_q=True, seed=9)
+    simulator = ToySimulator(pair)
+    pvalue = g_test_pvalue(simulator.first_two_tokens(CYCLES), simulator.exact_joint(), pair.vocab)
+    assert pvalue < 1e-6, f"the unmasked q was not detected (p = {pvalue:.2e})"

@@ -1,1 +1,24 @@
-"""`@tool` functions, schemas and execution (arrives with the tools issue)."""
+"""Tools: ``@tool`` functions, their schemas, a registry, and execution with timeouts."""
+
+from tools.builtin import search_documents_tool
+from tools.calls import ToolCall, parse_tool_call
+from tools.execute import InvalidArgumentsError, ToolError, ToolResult, run_tool, run_tool_sync, validate_call
+from tools.registry import Tool, ToolRegistry, UnknownToolError, tool
+from tools.schema import ToolDefinitionError
+
+__all__ = [
+    "InvalidArgumentsError",
+    "Tool",
+    "ToolCall",
+    "ToolDefinitionError",
+    "ToolError",
+    "ToolRegistry",
+    "ToolResult",
+    "UnknownToolError",
+    "parse_tool_call",
+    "run_tool",
+    "run_tool_sync",
+    "search_documents_tool",
+    "tool",
+    "validate_call",
+]

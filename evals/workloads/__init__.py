@@ -6,7 +6,9 @@ Fields: ``name``, ``description``, ``question`` (may hold ``{code}``), ``system`
 ``prompt_token_budget`` (passages past it are not shown but still feed prompt lookup),
 ``min_passage_tokens`` (a check that the passages are really that long), ``code``
 (``{"topic", "starts_with"}``: an indented code block taken from the corpus), ``tools``
-(JSON schemas listed in the system prompt) and ``max_tokens``.
+(JSON schemas listed in the system prompt), ``constraint`` (``{"tool_choice": "required"}``: the
+tool-call grammar over ``tools``; ``{"json_schema": {...}}``: response_format json_schema)
+and ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Encoded:
     passages: list[list[int]]  # every passage, shown or not, for prompt lookup
     passage_names: list[str]
     shown_passages: int
+    constraint: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,17 @@ class Workload:
     min_passage_tokens: int = 0
     code: dict[str, str] | None = None
     tools: tuple[dict[str, Any], ...] = field(default_factory=tuple)
+    constraint: dict[str, Any] | None = None
+
+    def grammar_spec(self) -> dict[str, Any] | None:
+        """What the decoder is constrained to: tool calls (name, parameters) or a JSON schema."""
+        if self.constraint is None:
+            return None
+        if "json_schema" in self.constraint:
+            return {"json_schema": self.constraint["json_schema"]}
+        if self.constraint.get("tool_choice") == "required" and self.tools:
+            return {"tools": [(tool["name"], tool["parameters"]) for tool in self.tools]}
+        raise ValueError(f"workload {self.name}: unsupported constraint {self.constraint!r}")
 
     def passages(self) -> list[str]:
         return [
@@ -80,7 +94,7 @@ class Workload:
             shown -= 1
             prompt = _chat_ids(tokenizer, self.messages(texts[:shown]))
         names = [f"P{index}" for index in range(1, len(texts) + 1)]
-        return Encoded(prompt, passage_ids, names, shown)
+        return Encoded(prompt, passage_ids, names, shown, self.grammar_spec())
 
 
 def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:

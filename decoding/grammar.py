@@ -1,0 +1,197 @@
+"""Grammar state of one sequence inside the speculative loop (xgrammar).
+
+The rule that keeps constrained speculation exact: the mask at a candidate position is
+the grammar's mask after the committed tokens *and the earlier candidates*, and it is
+applied identically to the target's p and the draft's q before acceptance (so residual
+sampling runs on the masked, renormalised distributions). A chain is advanced through
+the matcher until the first candidate the grammar rejects; that candidate and the rest
+are never verified. After acceptance the matcher is rolled back by exactly the number
+of candidates it accepted but the target did not, then it accepts the corrected or bonus
+token, which the mask has made grammatical.
+
+Grammar-forced continuations (keys, braces, quotes; the stop token once the grammar is
+complete) are proposed as free drafts with q = 1 by ``GrammarForcedDrafter``; the target
+verifies them in the same forward as any other draft.
+
+xgrammar 0.2.9 facts this relies on: a rejected ``accept_token`` returns False and
+changes nothing; ``fork()`` (not ``copy``) gives an independent matcher; the matcher
+terminates when it accepts a stop token and then accepts nothing more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+import xgrammar as xgr
+
+from decoding.drafters.base import Draft
+
+FORCED_SOURCE = "grammar"
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled grammar and the canonical key it was compiled from (for caching)."""
+
+    compiled: xgr.CompiledGrammar
+    key: str
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Unpack xgrammar's int32 bitmask rows [R, ceil(V/32)] to booleans [R, V]."""
+    bits = (bitmask.unsqueeze(-1) >> _BITS) & 1
+    return bits.flatten(-2)[..., :vocab_size].bool()
+
+
+def pack_allowed(allowed: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``allowed_tokens``: booleans [R, V] to an int32 bitmask [R, ceil(V/32)]."""
+    rows, vocab_size = allowed.shape
+    padded = torch.zeros(rows, -(-vocab_size // 32) * 32, dtype=torch.int64)
+    padded[:, :vocab_size] = allowed.long()
+    words = (padded.reshape(rows, padded.shape[1] // 32, 32) << _BITS.long()).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Logits with every token the grammar forbids set to -inf (any float dtype).
+
+    Masking logits before the sampling transform is masking p and renormalising, and it
+    is done the same way for the target's rows and the draft's rows.
+    """
+    allowed = allowed_tokens(bitmask, logits.shape[-1])
+    return logits.masked_fill(~allowed.reshape(logits.shape), float("-inf"))
+
+
+class GrammarState:
+    """One xgrammar matcher following one sequence's committed output tokens."""
+
+    def __init__(self, grammar: Grammar, stop_ids: Collection[int], vocab_size: int) -> None:
+        self.grammar = grammar
+        self.vocab_size = vocab_size
+        self._matcher = xgr.GrammarMatcher(grammar.compiled, override_stop_tokens=sorted(stop_ids))
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self.committed_len = 0  # output tokens the matcher has accepted for good
+
+    # -- queries ------------------------------------------------------------------------
+
+    def is_completed(self) -> bool:
+        return self._matcher.is_completed()
+
+    def is_terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+    def next_bitmask(self) -> torch.Tensor:
+        """The mask [1, ceil(V/32)] for the next token after the committed ones."""
+        return self._fill(self._matcher, 0, rows=1)[:1].clone()
+
+    def forced_tokens(self, max_tokens: int) -> list[int]:
+        """Tokens the grammar alone determines from here: the jump-forward tokens, or the
+        single token the mask allows (the stop token of a complete JSON value)."""
+        if self._matcher.is_terminated() or max_tokens <= 0:
+            return []
+        forced = self._matcher.find_jump_forward_tokens()[:max_tokens]
+        if forced:
+            return forced
+        allowed = allowed_tokens(self.next_bitmask(), self.vocab_size)[0].nonzero().flatten()
+        return [int(allowed[0])] if len(allowed) == 1 else []
+
+    # -- the speculative cycle ----------------------------------------------------------
+
+    def advance_chain(self, candidates: Sequence[int]) -> tuple[int, torch.Tensor]:
+        """Advance through the candidates until the grammar rejects one.
+
+        Returns (valid_len, bitmask[valid_len + 1]): row i is the mask before candidate i,
+        row valid_len the mask for the bonus position. The matcher is left ``valid_len``
+        tokens ahead; ``settle`` brings it back to the committed tokens.
+        """
+        bitmask = self._ensure_rows(len(candidates) + 1)
+        valid_len = 0
+        for position, token in enumerate(candidates):
+            if self._matcher.is_terminated():  # check first: a terminated matcher has no mask
+                break
+            self._fill(self._matcher, position, rows=len(candidates) + 1)
+            if not self._matcher.accept_token(int(token)):
+                break
+            valid_len += 1
+        if self._matcher.is_terminated():
+            # A stop candidate ends the chain; nothing after it is ever committed, so the
+            # bonus row only has to stay a valid distribution: allow everything.
+            bitmask[valid_len].fill_(-1)
+        else:
+            self._fill(self._matcher, valid_len, rows=len(candidates) + 1)
+        return valid_len, bitmask[: valid_len + 1].clone()
+
+    def settle(self, advanced: int, committed: Sequence[int]) -> None:
+        """After acceptance: undo the candidates that were not committed, then accept the
+        corrected or bonus token (the last of ``committed``)."""
+        accepted_len = len(committed) - 1
+        if advanced - accepted_len:
+            self._matcher.rollback(advanced - accepted_len)
+        self.committed_len += accepted_len
+        if not self._matcher.is_terminated():  # else a stop token ended the output already
+            self.accept(committed[-1])
+
+    def accept(self, token: int) -> None:
+        """Commit one token chosen under this grammar's mask."""
+        if not self._matcher.accept_token(int(token)):
+            raise AssertionError(f"grammar {self.grammar.key[:60]!r} rejected committed token {token}")
+        self.committed_len += 1
+
+    def draft_processor(self, prompt_len: int) -> _DraftMask:
+        """A logits processor that masks a draft model's q along its own proposal."""
+        return _DraftMask(self, prompt_len)
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _ensure_rows(self, rows: int) -> torch.Tensor:
+        if self._bitmask.shape[0] < rows:
+            self._bitmask = xgr.allocate_token_bitmask(rows, self.vocab_size)
+        return self._bitmask
+
+    def _fill(self, matcher: xgr.GrammarMatcher, row: int, rows: int) -> torch.Tensor:
+        bitmask = self._ensure_rows(rows)
+        matcher.fill_next_token_bitmask(bitmask, row)
+        return bitmask
+
+
+class _DraftMask:
+    """Masks a draft model's logits position by position during one proposal.
+
+    The draft model calls it with the committed tokens plus the drafts so far; at the
+    first position of a proposal it forks the sequence's matcher, and it advances the
+    fork by each draft token, so q is masked exactly as the target's row will be.
+    """
+
+    def __init__(self, state: GrammarState, prompt_len: int) -> None:
+        self._state = state
+        self._prompt_len = prompt_len
+        self._fork: xgr.GrammarMatcher | None = None
+        self._bitmask = xgr.allocate_token_bitmask(1, state.vocab_size)
+
+    def __call__(self, prefix: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        drafted = len(prefix) - self._prompt_len - self._state.committed_len
+        if drafted == 0 or self._fork is None:
+            self._fork = self._state._matcher.fork()
+        elif not self._fork.is_terminated() and not self._fork.accept_token(int(prefix[-1])):
+            raise AssertionError("a masked draft token was rejected by the grammar")
+        if self._fork.is_terminated():
+            # The draft proposed a stop token; later drafts are cut before verification.
+            return logits
+        self._fork.fill_next_token_bitmask(self._bitmask, 0)
+        return mask_logits(logits, self._bitmask[0])
+
+
+class GrammarForcedDrafter:
+    """Proposes what the grammar forces (q = 1): free drafts the target verifies."""
+
+    def __init__(self, state: GrammarState) -> None:
+        self.state = state
+
+    def propose(self, context: Sequence[int], max_tokens: int) -> Draft:
+        return Draft(self.state.forced_tokens(max_tokens), None, FORCED_SOURCE)
+
+    def on_commit(self, committed: Sequence[int], accepted_len: int) -> None:
+        pass  # the engine advances the grammar state itself

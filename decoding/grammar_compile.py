@@ -1,0 +1,187 @@
+"""Compiling constraints to xgrammar grammars, once per schema (cached by canonical JSON).
+
+Three shapes: an arbitrary JSON schema (``response_format: json_schema``), any JSON
+object (``json_object``), and a tool choice: one call ``{"name": ..., "arguments": ...}``
+to one of several tools, optionally or-else free text (the final answer). Tool calls use
+``json.dumps`` separators (``", "`` and ``": "``) and no free whitespace, which is how
+chat models write JSON and keeps the grammar's forced continuations long.
+
+JSON-schema keywords that xgrammar 0.2.9 parses but does not enforce (measured: a
+violating document is accepted) are refused with an error naming the keyword and where
+it is, rather than silently producing output that fails validation.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import xgrammar as xgr
+
+from decoding.grammar import Grammar
+
+# Parsed but not enforced by xgrammar 0.2.9 (see tests/test_grammar_compile.py).
+UNSUPPORTED_KEYWORDS = frozenset(
+    {
+        "not",
+        "if",
+        "then",
+        "else",
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "dependentRequired",
+        "dependentSchemas",
+        "dependencies",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+        "$dynamicRef",
+        "$dynamicAnchor",
+    }
+)
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames", "additionalItems")
+_TEXT_ANSWER_EBNF = "root ::= [^{] [^]*"  # anything that does not open a JSON object
+
+
+class UnsupportedSchemaError(ValueError):
+    """A JSON schema uses a feature the grammar cannot enforce."""
+
+    def __init__(self, feature: str, path: str, why: str = "the grammar cannot enforce it") -> None:
+        super().__init__(f"unsupported JSON schema feature {feature!r} at {path}: {why}")
+        self.feature = feature
+        self.path = path
+
+
+def check_schema(schema: Any, path: str = "#") -> None:
+    """Raise UnsupportedSchemaError for the first feature the grammar would not enforce."""
+    for node_path, node in _subschemas(schema, path):
+        for keyword in sorted(UNSUPPORTED_KEYWORDS & node.keys()):
+            raise UnsupportedSchemaError(keyword, node_path)
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            raise UnsupportedSchemaError("allOf", node_path, "only a single-entry allOf is supported")
+
+
+def _subschemas(schema: Any, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    if not isinstance(schema, dict):
+        return
+    yield path, schema
+    for key in _SCHEMA_MAPS:
+        for name, sub in (schema.get(key) or {}).items():
+            yield from _subschemas(sub, f"{path}/{key}/{name}")
+    for key in _SCHEMA_LISTS:
+        for index, sub in enumerate(schema.get(key) or []):
+            yield from _subschemas(sub, f"{path}/{key}/{index}")
+    for key in _SCHEMA_VALUES:
+        value = schema.get(key)
+        subs = value if isinstance(value, list) else [value]
+        for index, sub in enumerate(subs):
+            yield from _subschemas(sub, f"{path}/{key}" + (f"/{index}" if isinstance(value, list) else ""))
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def tool_call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    """The JSON schema of one call: ``{"name": <name>, "arguments": <parameters>}``."""
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def tool_choice_schema(tools: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """``anyOf`` the tools' call schemas, their ``$defs`` hoisted to the root.
+
+    A tool's parameters refer to ``#/$defs/X`` of their own document; nested under the
+    call they would point at nothing, so each tool's definitions move to the root under
+    ``<tool>.X`` and its references are rewritten to match.
+    """
+    calls, definitions = [], {}
+    for name, parameters in tools:
+        local = parameters.get("$defs", {})
+        renamed = {f"#/$defs/{key}": f"#/$defs/{name}.{key}" for key in local}
+        body = _rewrite_refs({k: v for k, v in parameters.items() if k != "$defs"}, renamed)
+        definitions.update({f"{name}.{key}": _rewrite_refs(value, renamed) for key, value in local.items()})
+        calls.append(tool_call_schema(name, body))
+    schema: dict[str, Any] = {"anyOf": calls}
+    if definitions:
+        schema["$defs"] = definitions
+    return schema
+
+
+def _rewrite_refs(node: Any, renamed: dict[str, str]) -> Any:
+    if isinstance(node, dict):
+        return {
+            key: renamed.get(value, value) if key == "$ref" else _rewrite_refs(value, renamed)
+            for key, value in node.items()
+        }
+    if isinstance(node, list):
+        return [_rewrite_refs(item, renamed) for item in node]
+    return node
+
+
+class GrammarCompiler:
+    """Compiles grammars for one vocabulary; thread-safe, cached by canonical JSON."""
+
+    def __init__(self, tokenizer_info: xgr.TokenizerInfo) -> None:
+        self.tokenizer_info = tokenizer_info
+        self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=1)
+        self._cache: dict[str, Grammar] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, vocab_size: int) -> GrammarCompiler:
+        """From a Hugging Face tokenizer; ``vocab_size`` is the model's logits width."""
+        return cls(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
+
+    @property
+    def cached(self) -> int:
+        return len(self._cache)
+
+    def json_schema(self, schema: dict[str, Any] | str) -> Grammar:
+        """Any document valid under ``schema`` (additional properties off unless allowed)."""
+        parsed = json.loads(schema) if isinstance(schema, str) else schema
+        if not isinstance(parsed, dict):
+            raise UnsupportedSchemaError("schema", "#", "a JSON schema must be an object")
+        check_schema(parsed)
+        key = "json_schema:" + canonical_json(parsed)
+        return self._cached(key, lambda: self._from_schema(parsed))
+
+    def json_object(self) -> Grammar:
+        return self._cached("json_object", xgr.Grammar.builtin_json_grammar)
+
+    def tool_calls(self, tools: Sequence[tuple[str, dict[str, Any]]], *, allow_text: bool) -> Grammar:
+        """One call to one of ``tools`` (name, parameters schema), or else free text."""
+        if not tools:
+            raise ValueError("tool_calls needs at least one tool")
+        for name, parameters in tools:
+            check_schema(parameters, f"#/tools/{name}")
+        calls = tool_choice_schema(tools)
+        key = f"tool_calls:text={allow_text}:" + canonical_json(calls)
+
+        def build() -> xgr.Grammar:
+            call = self._from_schema(calls)
+            return xgr.Grammar.union(call, xgr.Grammar.from_ebnf(_TEXT_ANSWER_EBNF)) if allow_text else call
+
+        return self._cached(key, build)
+
+    def _from_schema(self, schema: dict[str, Any]) -> xgr.Grammar:
+        try:
+            return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+        except RuntimeError as error:  # xgrammar reports schema errors as RuntimeError
+            message = str(error).strip().splitlines()[-1]
+            raise UnsupportedSchemaError("schema", "#", message.split(": ", 1)[-1]) from None
+
+    def _cached(self, key: str, build: Callable[[], xgr.Grammar]) -> Grammar:
+        with self._lock:
+            if key not in self._cache:
+                self._cache[key] = Grammar(self._compiler.compile_grammar(build()), key)
+            return self._cache[key]
