@@ -20,8 +20,8 @@ terminates when it accepts a stop token and then accepts nothing more.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import xgrammar as xgr
@@ -34,10 +34,16 @@ _BITS = torch.arange(32, dtype=torch.int32)
 
 @dataclass(frozen=True)
 class Grammar:
-    """A compiled grammar and the canonical key it was compiled from (for caching)."""
+    """A compiled grammar and the canonical key it was compiled from (for caching).
+
+    ``encode`` is the vocabulary's own tokenizer (text to ids, no special tokens): forced
+    text is proposed as the model itself would spell it, which xgrammar's greedy
+    longest-token split often is not (``{"`` is one token to the model, two to the split).
+    """
 
     compiled: xgr.CompiledGrammar
     key: str
+    encode: Callable[[str], list[int]] | None = field(default=None, compare=False, repr=False)
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -92,6 +98,12 @@ class GrammarState:
         single token the mask allows (the stop token of a complete JSON value)."""
         if self._matcher.is_terminated() or max_tokens <= 0:
             return []
+        if self.grammar.encode is not None:
+            text = self._matcher.find_jump_forward_string()
+            # The last token may merge with what follows the forced text: leave it out.
+            spelled = self.grammar.encode(text)[:-1] if text else []
+            if spelled:
+                return spelled[:max_tokens]
         forced = self._matcher.find_jump_forward_tokens()[:max_tokens]
         if forced:
             return forced

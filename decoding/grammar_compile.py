@@ -131,8 +131,9 @@ def _rewrite_refs(node: Any, renamed: dict[str, str]) -> Any:
 class GrammarCompiler:
     """Compiles grammars for one vocabulary; thread-safe, cached by canonical JSON."""
 
-    def __init__(self, tokenizer_info: xgr.TokenizerInfo) -> None:
+    def __init__(self, tokenizer_info: xgr.TokenizerInfo, encode: Callable[[str], list[int]] | None = None) -> None:
         self.tokenizer_info = tokenizer_info
+        self.encode = encode  # spells forced text as the model would (see Grammar)
         self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=1)
         self._cache: dict[str, Grammar] = {}
         self._lock = threading.Lock()
@@ -140,7 +141,8 @@ class GrammarCompiler:
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, vocab_size: int) -> GrammarCompiler:
         """From a Hugging Face tokenizer; ``vocab_size`` is the model's logits width."""
-        return cls(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size))
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        return cls(info, lambda text: tokenizer.encode(text, add_special_tokens=False))
 
     @property
     def cached(self) -> int:
@@ -156,7 +158,8 @@ class GrammarCompiler:
         return self._cached(key, lambda: self._from_schema(parsed))
 
     def json_object(self) -> Grammar:
-        return self._cached("json_object", xgr.Grammar.builtin_json_grammar)
+        """Any JSON object (OpenAI's ``response_format: json_object``)."""
+        return self._cached("json_object", lambda: self._from_schema({"type": "object"}, strict=False))
 
     def tool_calls(self, tools: Sequence[tuple[str, dict[str, Any]]], *, allow_text: bool) -> Grammar:
         """One call to one of ``tools`` (name, parameters schema), or else free text."""
@@ -173,9 +176,9 @@ class GrammarCompiler:
 
         return self._cached(key, build)
 
-    def _from_schema(self, schema: dict[str, Any]) -> xgr.Grammar:
+    def _from_schema(self, schema: dict[str, Any], strict: bool = True) -> xgr.Grammar:
         try:
-            return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+            return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=strict)
         except RuntimeError as error:  # xgrammar reports schema errors as RuntimeError
             message = str(error).strip().splitlines()[-1]
             raise UnsupportedSchemaError("schema", "#", message.split(": ", 1)[-1]) from None
@@ -183,5 +186,5 @@ class GrammarCompiler:
     def _cached(self, key: str, build: Callable[[], xgr.Grammar]) -> Grammar:
         with self._lock:
             if key not in self._cache:
-                self._cache[key] = Grammar(self._compiler.compile_grammar(build()), key)
+                self._cache[key] = Grammar(self._compiler.compile_grammar(build()), key, self.encode)
             return self._cache[key]

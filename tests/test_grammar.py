@@ -272,3 +272,18 @@ def test_unsupported_schema_features_are_named(
 
 def test_a_property_named_like_a_keyword_is_fine(compiler: GrammarCompiler) -> None:
     compiler.json_schema({"type": "object", "properties": {"not": {"type": "integer"}, "if": {"type": "string"}}})
+
+
+def test_json_object_mode_goes_through_the_same_path(engine: Engine, compiler: GrammarCompiler) -> None:
+    grammar = compiler.json_object()
+    assert compiler.json_object() is grammar
+    plain, _ = generate(engine, PROMPT, max_tokens=40, grammar=grammar, speculation="off")
+    fast, stats = generate(engine, PROMPT, max_tokens=40, grammar=grammar, speculation="on", drafter="both")
+    assert fast == plain
+    matcher = xgr.GrammarMatcher(grammar.compiled)
+    assert all(matcher.accept_token(token) for token in fast)
+    probe = xgr.GrammarMatcher(grammar.compiled)
+    assert probe.accept_string('{"any": [1, {"key": null}]}') and probe.is_completed()
+    assert not xgr.GrammarMatcher(grammar.compiled).accept_string("[1]")  # an object, not any JSON value
+    if stats.finish_reason == "stop":
+        assert isinstance(json.loads(decode(fast[:-1])), dict)
