@@ -9,6 +9,12 @@ are never verified. After acceptance the matcher is rolled back by exactly the n
 of candidates it accepted but the target did not, then it accepts the corrected or bonus
 token, which the mask has made grammatical.
 
+Cutting the chain at the first ungrammatical candidate is exact only because that
+candidate had q = 0 under the masked q (a model drafter's q is masked along its own
+proposal) or q was one-hot (prompt lookup): either way the full rule would have rejected
+it with certainty and drawn the next token from p itself. With an unmasked q the cut
+would bias sampling; tests/test_engine_sampling.py plants exactly that and catches it.
+
 Grammar-forced continuations (keys, braces, quotes; the stop token once the grammar is
 complete) are proposed as free drafts with q = 1 by ``GrammarForcedDrafter``; the target
 verifies them in the same forward as any other draft.
@@ -77,7 +83,8 @@ class GrammarState:
     def __init__(self, grammar: Grammar, stop_ids: Collection[int], vocab_size: int) -> None:
         self.grammar = grammar
         self.vocab_size = vocab_size
-        self._matcher = xgr.GrammarMatcher(grammar.compiled, override_stop_tokens=sorted(stop_ids))
+        # No stop ids (a request that never stops early): keep the vocabulary's own, if any.
+        self._matcher = xgr.GrammarMatcher(grammar.compiled, override_stop_tokens=sorted(stop_ids) or None)
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
         self.committed_len = 0  # output tokens the matcher has accepted for good
 

@@ -161,6 +161,14 @@ class GrammarCompiler:
         """Any JSON object (OpenAI's ``response_format: json_object``)."""
         return self._cached("json_object", lambda: self._from_schema({"type": "object"}, strict=False))
 
+    def ebnf(self, source: str, root: str = "root") -> Grammar:
+        """A grammar in xgrammar's EBNF (GBNF-like) notation."""
+        try:
+            grammar = xgr.Grammar.from_ebnf(source, root_rule_name=root)
+        except RuntimeError as error:
+            raise ValueError(f"invalid EBNF grammar: {str(error).strip().splitlines()[-1]}") from None
+        return self._cached(f"ebnf:{root}:{source}", lambda: grammar)
+
     def tool_calls(self, tools: Sequence[tuple[str, dict[str, Any]]], *, allow_text: bool) -> Grammar:
         """One call to one of ``tools`` (name, parameters schema), or else free text."""
         if not tools:
