@@ -149,6 +149,17 @@ def test_matcher_after_random_accept_reject_equals_a_fresh_one(compiler: Grammar
     assert committed, "the walk never committed anything"
 
 
+def test_a_chain_is_cut_at_its_first_rejected_candidate(compiler: GrammarCompiler) -> None:
+    state = GrammarState(compiler.json_schema(SCHEMAS["int_and_enum"]), [EOS], len(VOCAB))
+    chain = encode('{"qa')  # "q" is not a key of the schema; "a" after it would be
+    valid_len, bitmask = state.advance_chain(chain)
+    assert valid_len == 2 and bitmask.shape[0] == 3  # '{' and '"', then the mask for "q"'s slot
+    assert not allowed_tokens(bitmask[2:], len(VOCAB))[0, VOCAB.index("q")]
+    state.settle(valid_len, encode('{"a'))
+    fresh = fresh_state(compiler, SCHEMAS["int_and_enum"], encode('{"a'))
+    assert torch.equal(state.next_bitmask(), fresh.next_bitmask())
+
+
 # -- the engine under a grammar ------------------------------------------------------------
 
 PROMPT = encode('{"a": 12, "b": "xy"} {"point": {"x": 1, "y": 2}, "tag": "ab"} [1, 2] {"k": true')
