@@ -318,8 +318,11 @@ class Engine:
             if token in seq.stop_ids:
                 seq.finish_reason = "stop"
             elif self._ends_with_stop_sequence(seq):
-                # Inside an unfinished constrained span the output is not a complete document.
-                seq.finish_reason = "length" if seq.grammar and not seq.grammar.is_completed() else "stop"
+                seq.finish_reason = "stop"
+                if seq.grammar is not None:  # judged at the stop, not after the whole commit
+                    seq.grammar.rewind_to(seq.output_len)
+                    if not seq.grammar.is_completed():  # an unfinished document is not complete
+                        seq.finish_reason = "length"
             elif seq.output_len >= request.max_tokens:
                 seq.finish_reason = "length"
             if seq.finish_reason:

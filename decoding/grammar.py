@@ -159,6 +159,13 @@ class GrammarState:
             raise AssertionError(f"grammar {self.grammar.key[:60]!r} rejected committed token {token}")
         self.committed_len += 1
 
+    def rewind_to(self, output_len: int) -> None:
+        """Forget the tokens after the first ``output_len`` (a stop cut the commit short)."""
+        ahead = self.committed_len - output_len
+        if ahead > 0:
+            self._matcher.rollback(ahead)
+            self.committed_len = output_len
+
     def draft_processor(self, prompt_len: int) -> _DraftMask:
         """A logits processor that masks a draft model's q along its own proposal."""
         return _DraftMask(self, prompt_len)

@@ -163,11 +163,14 @@ class GrammarCompiler:
 
     def ebnf(self, source: str, root: str = "root") -> Grammar:
         """A grammar in xgrammar's EBNF (GBNF-like) notation."""
-        try:
-            grammar = xgr.Grammar.from_ebnf(source, root_rule_name=root)
-        except RuntimeError as error:
-            raise ValueError(f"invalid EBNF grammar: {str(error).strip().splitlines()[-1]}") from None
-        return self._cached(f"ebnf:{root}:{source}", lambda: grammar)
+
+        def build() -> xgr.Grammar:  # parsed only on a cache miss
+            try:
+                return xgr.Grammar.from_ebnf(source, root_rule_name=root)
+            except RuntimeError as error:
+                raise ValueError(f"invalid EBNF grammar: {str(error).strip().splitlines()[-1]}") from None
+
+        return self._cached(f"ebnf:{root}:{source}", build)
 
     def tool_calls(self, tools: Sequence[tuple[str, dict[str, Any]]], *, allow_text: bool) -> Grammar:
         """One call to one of ``tools`` (name, parameters schema), or else free text."""
