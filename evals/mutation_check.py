@@ -165,6 +165,41 @@ MUTATIONS = (
         "return 0.0",
         ("tests/test_parity_smollm2.py::test_bf16_divergences_are_near_ties",),
     ),
+    Mutation(
+        "prefix_cache_trusts_the_hash_alone",
+        "decoding/prefix_cache.py",
+        "if block is None or block.tokens != tuple(token_ids[start : start + self.block_tokens]):",
+        "if block is None:",
+        ("tests/test_prefix_cache.py",),
+    ),
+    Mutation(
+        "prefix_cache_keys_not_chained",
+        "decoding/prefix_cache.py",
+        "parent = hashlib.sha256(parent + ids[start : start + self.block_tokens].tobytes()).digest()",
+        "parent = hashlib.sha256(ids[start : start + self.block_tokens].tobytes()).digest()",
+        ("tests/test_prefix_cache.py",),
+    ),
+    Mutation(
+        "prefix_cache_evicts_heads_first",
+        "decoding/prefix_cache.py",
+        "for key in reversed(chain_keys):",
+        "for key in chain_keys:",
+        ("tests/test_prefix_cache.py",),
+    ),
+    Mutation(
+        "prefix_cache_evicts_its_own_chain",
+        "decoding/prefix_cache.py",
+        "            if oldest in protected:\n                return False\n",
+        "",
+        ("tests/test_prefix_cache.py",),
+    ),
+    Mutation(
+        "prefix_cache_serves_the_whole_prompt",
+        "decoding/prefix_cache.py",
+        "cached_len, segment = cache.lookup(token_ids[:-1])",
+        "cached_len, segment = cache.lookup(token_ids)",
+        ("tests/test_prefix_cache.py",),
+    ),
 )
 
 

@@ -14,6 +14,7 @@ import torch
 
 from decoding.drafters.base import Draft
 from decoding.model import CausalLM
+from decoding.prefix_cache import PrefixCache, prefill_cached
 from decoding.sampling import SamplingParams, probs_from_logits, sample
 
 SOURCE = "draft_model"
@@ -26,12 +27,14 @@ class ModelDrafter:
         sampling: SamplingParams,
         generator: torch.Generator | None = None,
         logits_processor: Callable[[Sequence[int], torch.Tensor], torch.Tensor] | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.model = model
         self.sampling = sampling
         self.generator = generator
         # Applied to q exactly as the engine applies it to p, each with its own prefix.
         self.logits_processor = logits_processor
+        self.prefix_cache = prefix_cache
         self.kv = model.new_kv()
         self._context_len = 0
         self._fed_drafts = 0
@@ -75,7 +78,7 @@ class ModelDrafter:
             self.kv.crop(len(context) - 1)
         missing = context[len(self.kv) :]
         if len(self.kv) == 0:
-            return self.model.prefill(self.kv, missing)
+            return prefill_cached(self.model, self.kv, missing, self.prefix_cache)[0]
         return self.model.forward(self.kv, missing, last_only=True)[-1]
 
     def cache_matches(self, context: Sequence[int]) -> bool:

@@ -1,0 +1,80 @@
+"""The agent's prompt, laid out so that what changes least comes first.
+
+The order is the prefix cache's (``decoding/prefix_cache.py``) best case: the system prompt
+and the tool schemas (the same for every run of a server), then the earlier turns of the
+conversation verbatim (a follow-up turn extends the cached conversation), then the new
+user message with the retrieved passages before the question (the same passages give the
+same tokens up to the question, so a repeated retrieval hits up to there). Tool schemas
+are serialised with sorted keys and fixed separators and the passages keep the
+retriever's deterministic order, so identical inputs give identical token ids: a
+follow-up turn or a repeated retrieval re-prefills only what is new.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+DEFAULT_SYSTEM = (
+    "You are a precise assistant. Answer from the passages only and cite each passage you use as [P1], [P2]. "
+    "If the passages do not contain the answer, say that it is not in the documents."
+)
+
+
+class PassageLike(Protocol):
+    id: str
+    source: str
+    text: str
+
+
+@dataclass(frozen=True)
+class PromptParts:
+    question: str
+    system: str = DEFAULT_SYSTEM
+    tool_schemas: Sequence[dict[str, Any]] = ()
+    passages: Sequence[PassageLike] = ()
+    history: Sequence[dict[str, str]] = field(default_factory=tuple)  # earlier turns, oldest first
+
+
+def passage_label(index: int) -> str:
+    """The marker the model cites: [P1] for the first passage shown."""
+    return f"P{index + 1}"
+
+
+def system_message(parts: PromptParts) -> str:
+    if not parts.tool_schemas:
+        return parts.system
+    tools = "\n".join(json.dumps(schema, sort_keys=True, separators=(",", ":")) for schema in parts.tool_schemas)
+    return f"{parts.system}\n\nTools (answer with one JSON call to use one):\n{tools}"
+
+
+def passages_message(passages: Sequence[PassageLike]) -> str:
+    shown = "\n\n".join(
+        f"[{passage_label(index)}] ({passage.source})\n{passage.text}" for index, passage in enumerate(passages)
+    )
+    return f"Passages:\n{shown}"
+
+
+def user_message(parts: PromptParts) -> str:
+    if not parts.passages:
+        return parts.question
+    return f"{passages_message(parts.passages)}\n\nQuestion: {parts.question}"
+
+
+def build_messages(parts: PromptParts) -> list[dict[str, str]]:
+    """Chat messages in stable-first order: system + tools, history, passages + question."""
+    return [
+        {"role": "system", "content": system_message(parts)},
+        *parts.history,
+        {"role": "user", "content": user_message(parts)},
+    ]
+
+
+def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of the chat template with the generation prompt appended."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
