@@ -34,6 +34,7 @@ _EXPORTS = {
     "PackChecksumError": "decoding.packs",
     "PackError": "decoding.packs",
     "pull": "decoding.packs",
+    "PrefixCache": "decoding.prefix_cache",
     "SamplingParams": "decoding.sampling",
     "probs_from_logits": "decoding.sampling",
     "GenerationStats": "decoding.stats",

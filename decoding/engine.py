@@ -13,6 +13,10 @@ and it ingests the rest (the corrected or bonus token) before its next proposal.
 
 The policy (``decoding/policy.py``) decides each cycle's γ; every forward's wall time is
 fed back into its cost model, around the maths, never inside it.
+
+With ``prefix_cache`` (``decoding/prefix_cache.py``) a prefill starts from the longest
+cached block-aligned prefix of the prompt (target and draft model alike), and a finished
+sequence leaves its blocks behind for follow-up turns.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from decoding.request import (
     validate,
 )
 from decoding.sampling import probs_from_logits, select_token
-from decoding.stats import GenerationStats
+from decoding.stats import CycleInfo, GenerationStats
 
 __all__ = ["Engine", "GenerationEvent", "GenerationRequest"]
 
@@ -167,7 +171,7 @@ class Engine:
     def _step_sequences(self, sequences: list[_Sequence]) -> list[GenerationEvent]:
         events = []
         for seq in sequences:
-            committed = self._advance(seq)
+            committed, cycle = self._timed_advance(seq)
             finished = seq.finish_reason is not None
             if finished:
                 seq.stats.finish_reason = seq.finish_reason
@@ -177,9 +181,16 @@ class Engine:
             elif self.debug:
                 self._check_invariants(seq)
             events.append(
-                GenerationEvent(seq.seq_id, committed, finished, seq.finish_reason, seq.stats if finished else None)
+                GenerationEvent(
+                    seq.seq_id, committed, finished, seq.finish_reason, seq.stats if finished else None, cycle
+                )
             )
         return events
+
+    def _timed_advance(self, seq: _Sequence) -> tuple[list[int], CycleInfo]:
+        mark, was_prefilled = seq.stats.mark(), seq.prefilled
+        committed = self._advance(seq)
+        return committed, seq.stats.cycle_since(mark, was_prefilled)
 
     def _advance(self, seq: _Sequence) -> list[int]:
         if not seq.prefilled:

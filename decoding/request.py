@@ -11,7 +11,7 @@ import torch
 from decoding.grammar import Grammar
 from decoding.policy import SPECULATION_MODES, Speculation
 from decoding.sampling import SamplingParams
-from decoding.stats import GenerationStats
+from decoding.stats import CycleInfo, GenerationStats
 
 DrafterKind = Literal["lookup", "model", "both"]  # both: lookup first, the draft model when it has nothing
 
@@ -52,6 +52,7 @@ class GenerationEvent:
     finished: bool = False
     finish_reason: str | None = None  # "stop", "length" or "cancelled"
     stats: GenerationStats | None = None  # on the final event
+    cycle: CycleInfo | None = None
 
 
 def validate(request: GenerationRequest, default_drafter: DrafterKind, has_draft_model: bool) -> DrafterKind:

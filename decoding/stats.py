@@ -7,7 +7,30 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+STAGES = ("prefill", "decode", "draft", "verify", "accept", "grammar", "rollback")
+
+
+@dataclass(frozen=True)
+class CycleInfo:
+    """What one cycle of one sequence did, for traces: read off the stats around the cycle."""
+
+    kind: Literal["prefill", "plain", "speculative"]
+    start_ns: int  # time.monotonic_ns()
+    end_ns: int
+    gamma: int  # tokens verified (0 for prefill and plain steps)
+    accepted_len: int
+    source: str | None  # the drafter that proposed, for speculative cycles
+    stage_seconds: dict[str, float]  # prefill / decode / draft / verify / accept / grammar / rollback
+
+
+@dataclass(frozen=True)
+class StatsMark:
+    seconds: dict[str, float]
+    cycles: int
+    accepted: int
+    start_ns: int
 
 
 @dataclass
@@ -30,6 +53,7 @@ class GenerationStats:
     probe_cycles: int = 0  # speculative cycles run to re-measure acceptance after a back-off
     accepted_by_source: Counter[str] = field(default_factory=Counter)
     finish_reason: str | None = None
+    last_source: str | None = None  # drafter of the latest verify cycle
     prefill_s: float = 0.0
     decode_s: float = 0.0  # plain (non-speculative) steps
     draft_s: float = 0.0
@@ -54,6 +78,7 @@ class GenerationStats:
         self.wasted_verify_tokens += gamma - accepted_len
         self.bonus_count += accepted_len == gamma
         self.accepted_by_source[source] += accepted_len
+        self.last_source = source
         _grow(self.drafted_by_position, gamma)
         _grow(self.acceptance_by_position, gamma)
         _grow(self.accepted_len_hist, accepted_len + 1)
@@ -62,6 +87,30 @@ class GenerationStats:
         for position in range(accepted_len):
             self.acceptance_by_position[position] += 1
         self.accepted_len_hist[accepted_len] += 1
+
+    def stage_seconds(self) -> dict[str, float]:
+        return {stage: getattr(self, f"{stage}_s") for stage in STAGES}
+
+    def mark(self) -> StatsMark:
+        """Where the counters stand before a cycle (see ``cycle_since``)."""
+        return StatsMark(self.stage_seconds(), len(self.gamma_per_cycle), self.accepted_tokens, time.monotonic_ns())
+
+    def cycle_since(self, mark: StatsMark, was_prefilled: bool) -> CycleInfo:
+        """The cycle run since ``mark``: its kind, γ, accepted length and stage seconds."""
+        gamma = self.gamma_per_cycle[-1] if len(self.gamma_per_cycle) > mark.cycles else 0
+        kind: Literal["prefill", "plain", "speculative"] = (
+            "speculative" if gamma else "plain" if was_prefilled else "prefill"
+        )
+        seconds = self.stage_seconds()
+        return CycleInfo(
+            kind,
+            mark.start_ns,
+            time.monotonic_ns(),
+            gamma,
+            self.accepted_tokens - mark.accepted,
+            self.last_source if gamma else None,
+            {stage: seconds[stage] - mark.seconds[stage] for stage in STAGES},
+        )
 
     def record_plain(self, off_reason: str | None) -> None:
         self.gamma_per_cycle.append(0)

@@ -202,3 +202,22 @@ def test_seeded_sampling_is_reproducible(speculation: str) -> None:
         return run(Engine(TARGET, POOR_DRAFT), request)[0]
 
     assert sample() == sample()
+
+
+def test_every_event_says_what_its_cycle_did() -> None:
+    prompt = repetitive_prompt(7, 30)
+    request = GenerationRequest(prompt, max_tokens=20, speculation="on", stop_token_ids=[])
+    events = list(Engine(TARGET, debug=True).generate(request))
+    cycles = [event.cycle for event in events]
+    assert all(cycle is not None for cycle in cycles)
+    assert cycles[0].kind == "prefill" and cycles[0].stage_seconds["prefill"] > 0
+    for event, cycle in zip(events[1:], cycles[1:], strict=True):
+        assert cycle.start_ns <= cycle.end_ns
+        if cycle.kind == "speculative":
+            assert cycle.gamma >= 1 and cycle.source is not None and cycle.stage_seconds["verify"] > 0
+            assert len(event.token_ids) <= cycle.accepted_len + 1
+        else:
+            assert cycle.gamma == 0 and len(event.token_ids) == 1
+    stats = events[-1].stats
+    assert sum(cycle.accepted_len for cycle in cycles) == stats.accepted_tokens
+    assert sum(cycle.gamma for cycle in cycles) == stats.drafted_tokens
