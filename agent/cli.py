@@ -4,8 +4,10 @@
     specrag bench decode         plain vs ours vs transformers, side by side
     specrag bench lookup         prompt-lookup cost per step at 2k and 32k tokens of sources
     specrag demo                 stream a speculative RAG answer over the sample corpus
+    specrag index build DOCS --out DIR    build or update a document index (``--sample``: pydoc topics)
+    specrag index search DIR "QUERY"      top passages from an index
 
-``serve``, ``index``, ``ask`` and ``eval`` arrive with the agent, retrieval and eval issues.
+``serve``, ``ask`` and ``eval`` arrive with the agent and eval issues.
 """
 
 from __future__ import annotations
@@ -14,8 +16,13 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+if TYPE_CHECKING:
+    from retrieval import BuildReport
 
 
 def _pull(args: argparse.Namespace) -> int:
@@ -33,6 +40,101 @@ def _demo(args: argparse.Namespace) -> int:
     from agent.demo import run_demo
 
     return run_demo(args.model, args.topic, args.question, args.max_tokens, args.compare, args.json, args.dtype)
+
+
+def _index_build(args: argparse.Namespace) -> int:
+    from retrieval import (
+        Chunker,
+        ChunkerSettings,
+        Embedder,
+        IndexLockedError,
+        LoadError,
+        build_index,
+        load_folder,
+        load_sample_corpus,
+        load_token_counter,
+    )
+
+    if args.sample == (args.docs is not None):
+        print("specrag index build: give a DOCS folder or --sample (not both)", file=sys.stderr)
+        return 2
+    try:
+        ChunkerSettings(args.max_tokens, args.overlap)  # refuse bad numbers before loading a tokenizer
+        corpus = load_sample_corpus() if args.sample else load_folder(args.docs, int(args.max_file_mb * 2**20))
+        counter = load_token_counter(args.tokenizer, progress=not args.json)
+        chunker = Chunker(ChunkerSettings(args.max_tokens, args.overlap, counter.name), counter.count)
+        report = build_index(args.out, corpus, Embedder(), chunker, index_type=args.index_type, progress=not args.json)
+    except (LoadError, IndexLockedError, ValueError) as error:
+        print(f"specrag index build: {error}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        print(_describe_build(report))
+    return 0
+
+
+def _describe_build(report: BuildReport) -> str:
+    skipped = ", ".join(f"{reason}: {count}" for reason, count in report.skipped_by_reason.items())
+    lines = [
+        f"index {report.out_dir}: "
+        + (f"wrote version {report.version}" if report.written else f"up to date (version {report.version})"),
+        f"  files: {report.loaded} loaded, {len(report.skipped)} skipped" + (f" ({skipped})" if skipped else ""),
+        f"  added {len(report.added)}, changed {len(report.changed)}, removed {len(report.removed)}, "
+        f"unchanged {report.unchanged}",
+        f"  chunks: {report.chunks_total} in the index, {report.chunks_embedded} embedded, "
+        f"{report.chunks_reused} reused",
+    ]
+    if report.reembed_all_reason:
+        lines.append(f"  re-embedded everything: {report.reembed_all_reason}")
+    lines.append(
+        f"  took {report.timings.get('total_s', 0.0):.1f} s (embedding {report.timings.get('embed_s', 0.0):.1f} s)"
+    )
+    return "\n".join(lines)
+
+
+def _index_search(args: argparse.Namespace) -> int:
+    from retrieval import IndexLoadError, Retriever
+
+    try:
+        retriever = Retriever.open(args.index, hybrid=args.hybrid)
+    except IndexLoadError as error:
+        print(f"specrag index search: {error}", file=sys.stderr)
+        return 1
+    passages, timings = retriever.search_with_timings(args.query, args.k)
+    if args.json:
+        print(json.dumps({"passages": [asdict(p) for p in passages], "timings": timings.as_dict()}, indent=2))
+        return 0
+    for passage in passages:
+        preview = " ".join(passage.text.split())[:200]
+        print(f"{passage.rank}. {passage.id}  score {passage.score:.4f}\n   {preview}")
+    print(f"embed {timings.embed_s * 1000:.1f} ms, faiss {timings.search_s * 1000:.1f} ms", file=sys.stderr)
+    return 0
+
+
+def _add_index_commands(commands: Any) -> None:
+    index = commands.add_parser("index", help="build, update and search a document index")
+    actions = index.add_subparsers(dest="action", required=True)
+
+    build = actions.add_parser("build", help="build or incrementally update an index (atomic, versioned)")
+    build.add_argument("docs", nargs="?", help="folder of .txt, .md, .rst and .html files")
+    build.add_argument("--out", required=True, help="index directory")
+    build.add_argument("--sample", action="store_true", help="index the Python reference topics (pydoc_data)")
+    build.add_argument("--max-tokens", type=int, default=256, help="token budget of a chunk")
+    build.add_argument("--overlap", type=int, default=32, help="tokens shared by consecutive chunks")
+    build.add_argument("--tokenizer", default="qwen2.5-coder-0.5b", help="pack name, tokenizer folder, or 'whitespace'")
+    build.add_argument("--index-type", choices=["flat", "hnsw"], default="flat")
+    build.add_argument("--max-file-mb", type=float, default=20.0, help="skip files larger than this")
+    build.add_argument("--json", action="store_true", help="print the build report as JSON")
+    build.set_defaults(handler=_index_build)
+
+    search = actions.add_parser("search", help="top passages for a query")
+    search.add_argument("index", help="index directory")
+    search.add_argument("query")
+    search.add_argument("-k", type=int, default=5, help="how many passages")
+    search.add_argument("--hybrid", action="store_true", help="fuse BM25 with the dense ranking (RRF)")
+    search.add_argument("--json", action="store_true", help="print passages and timings as JSON")
+    search.set_defaults(handler=_index_search)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--compare", action="store_true", help="also decode plainly and report the speed-up")
     demo.add_argument("--json", action="store_true", help="print the result as JSON")
     demo.set_defaults(handler=_demo)
+
+    _add_index_commands(commands)
     return parser
 
 
