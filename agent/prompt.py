@@ -36,6 +36,7 @@ class PromptParts:
     tool_schemas: Sequence[dict[str, Any]] = ()
     passages: Sequence[PassageLike] = ()
     history: Sequence[dict[str, str]] = field(default_factory=tuple)  # earlier turns, oldest first
+    steps: Sequence[dict[str, str]] = field(default_factory=tuple)  # this turn's tool calls and results
 
 
 def passage_label(index: int) -> str:
@@ -64,11 +65,13 @@ def user_message(parts: PromptParts) -> str:
 
 
 def build_messages(parts: PromptParts) -> list[dict[str, str]]:
-    """Chat messages in stable-first order: system + tools, history, passages + question."""
+    """Chat messages in stable-first order: system + tools, history, passages + question, then
+    this turn's steps (each step's prompt extends the previous one, so it hits the cache)."""
     return [
         {"role": "system", "content": system_message(parts)},
         *parts.history,
         {"role": "user", "content": user_message(parts)},
+        *parts.steps,
     ]
 
 

@@ -131,6 +131,7 @@ class GenerationStats:
         data = asdict(self)
         data["speculation_off_reasons"] = dict(self.speculation_off_reasons)
         data["accepted_by_source"] = dict(self.accepted_by_source)
+        data["uncached_prompt_tokens"] = self.prompt_tokens - self.cached_prompt_tokens
         data["committed_per_call"] = self.committed_per_call
         data["acceptance_rate"] = self.acceptance_rate
         return data

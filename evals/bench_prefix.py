@@ -19,6 +19,7 @@ import pydoc_data.topics
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,7 +99,14 @@ def hf_ttft(model: CausalLM, prompt: list[int]) -> float:
     return time.perf_counter() - start
 
 
-def bench_model(name: str, lengths: list[int], repeats: int, with_hf: bool, dtype: str) -> list[dict[str, Any]]:
+def bench_model(
+    name: str,
+    lengths: list[int],
+    repeats: int,
+    with_hf: bool,
+    dtype: str,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
     model = load_model(name, dtype=dtype, progress=False)
     limit = int(getattr(model.config, "max_position_embeddings", 32768)) - 8
     rows = []
@@ -132,6 +140,8 @@ def bench_model(name: str, lengths: list[int], repeats: int, with_hf: bool, dtyp
         }
         rows.append(row)
         print(format_row(row), flush=True)
+        if on_row is not None:
+            on_row(row)
     return rows
 
 

@@ -50,7 +50,7 @@ def test_build_update_and_search(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert result["passages"][0]["source"] == "guide/frogs.md" and len(result["passages"]) == 2
     assert set(result["timings"]) == {"embed_s", "search_s", "lexical_s"}
 
-    assert main(["index", "search", str(out), "quarterly taxes", "-k", "1", "--hybrid"]) == 0
+    assert main(["index", "search", str(out), "quarterly taxes", "-k", "1", "--dense"]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("1. taxes.html#0") and "faiss" in captured.err
 

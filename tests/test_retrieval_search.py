@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # the real MiniLM model embeds the sample topics 
 @pytest.fixture(scope="session")
 def retriever(tmp_path_factory: pytest.TempPathFactory) -> Retriever:
     root, _ = sample_index(tmp_path_factory.getbasetemp())
-    return Retriever.open(root, shared_embedder())
+    return Retriever.open(root, shared_embedder(), hybrid=False)
 
 
 @pytest.mark.parametrize(
@@ -46,7 +46,7 @@ def test_results_are_deterministic_ranked_and_exact_slices(retriever: Retriever,
     first = retriever.search(query, k=5)
     assert first == retriever.search(query, k=5)
     root = retriever.index.root
-    assert first == Retriever.open(root, shared_embedder()).search(query, k=5)
+    assert first == Retriever.open(root, shared_embedder(), hybrid=False).search(query, k=5)
     assert [hit.rank for hit in first] == [1, 2, 3, 4, 5]
     assert [hit.score for hit in first] == sorted((hit.score for hit in first), reverse=True)
     assert all(0.0 < hit.score <= 1.0 + 1e-6 for hit in first)
@@ -91,7 +91,7 @@ def test_equal_scores_are_ordered_by_id(tmp_path: Path) -> None:
         shared_embedder(),
         chunker(),
     )
-    hits = Retriever.open(tmp_path, shared_embedder()).search("frogs near ponds", k=3)
+    hits = Retriever.open(tmp_path, shared_embedder(), hybrid=False).search("frogs near ponds", k=3)
     assert [hit.id for hit in hits] == ["a.md#0", "b.md#0", "c.md#0"]
     assert hits[0].score == hits[1].score == hits[2].score
 
@@ -107,3 +107,7 @@ def test_an_empty_index_answers_nothing(tmp_path: Path) -> None:
     report = build_index(tmp_path, [], shared_embedder(), chunker())
     assert report.written and report.chunks_total == 0
     assert Retriever.open(tmp_path, shared_embedder()).search("anything", k=3) == []
+
+
+def test_hybrid_is_the_default(retriever: Retriever) -> None:
+    assert Retriever(retriever.index, retriever.embedder).hybrid

@@ -1,0 +1,367 @@
+"""The agent loop: retrieve, prompt, generate under the tool grammar, run tools, repeat.
+
+One run is a sequence of steps. The first retrieval uses the question; the model then
+answers, or calls a tool (``search_documents`` searches again and its passages become
+citable as the next ``[Pn]``). The output is generated under the tool-choice grammar, so it
+is either a valid call to a registered tool or plain text; plain text is the final answer.
+The last allowed step is generated without tools, so a run always ends with an answer.
+
+Every retrieved passage of the run goes to the prompt-lookup drafter as a source of its
+own, the ones that did not fit in the prompt too. The stream of events is the API's shape:
+``token`` (answer text as it is decoded), ``tool_call``, ``tool_result``, ``final`` (the
+whole result) and ``error``. A run leaves one trace (``agent/trace.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from agent.prompt import DEFAULT_SYSTEM, PromptParts, build_messages, encode_messages, passage_label
+from agent.stream import IncrementalDecoder
+from agent.trace import SpeculationCycle, Trace, Tracer
+from decoding.request import GenerationEvent, GenerationRequest
+from decoding.sampling import SamplingParams
+from decoding.stats import GenerationStats
+from tools import (
+    InvalidArgumentsError,
+    ToolCall,
+    ToolError,
+    ToolRegistry,
+    ToolResult,
+    parse_tool_call,
+    run_tool_sync,
+    validate_call,
+)
+
+logger = logging.getLogger(__name__)
+Generate = Callable[[GenerationRequest], Iterator[GenerationEvent]]
+AgentEvent = dict[str, Any]  # {"event": name, "data": {...}}
+_CITATION = re.compile(r"\[P(\d+)\]")
+SEARCH_TOOL = "search_documents"
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    max_steps: int = 4
+    max_tokens: int = 256
+    k: int = 5  # passages shown in the prompt
+    lookup_k: int = 10  # passages retrieved for prompt lookup (the k shown among them)
+    speculation: str = "auto"
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    tools: Sequence[str] | None = None  # names the model may call; None: every registered tool
+
+
+@dataclass(frozen=True)
+class ShownPassage:
+    label: str  # "P3"
+    id: str
+    source: str
+    text: str
+
+
+@dataclass
+class _Run:
+    question: str
+    options: RunOptions
+    trace: Trace
+    run_id: str = field(default_factory=lambda: secrets.token_hex(8))
+    shown: list[ShownPassage] = field(default_factory=list)  # every passage given a label
+    prompt_passages: list[ShownPassage] = field(default_factory=list)  # the first retrieval's, in the prompt
+    lookup: list[tuple[str, list[int]]] = field(default_factory=list)  # (passage id, token ids)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    messages: list[dict[str, str]] = field(default_factory=list)  # this turn's tool calls and results
+    stats: list[GenerationStats] = field(default_factory=list)
+
+
+class AgentLoop:
+    """Runs the loop over a model's tokenizer, a retriever, tools and a ``generate`` callable."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        generate: Generate,
+        registry: ToolRegistry,
+        grammar_for: Callable[[ToolRegistry, Sequence[str]], Any],
+        retriever: Any = None,
+        *,
+        model_name: str = "model",
+        system: str = DEFAULT_SYSTEM,
+        tracer: Tracer | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.generate = generate
+        self.registry = registry
+        self.grammar_for = grammar_for
+        self.retriever = retriever
+        self.model_name = model_name
+        self.system = system
+        self.tracer = tracer or Tracer()
+
+    def run(self, question: str, options: RunOptions | None = None) -> dict[str, Any]:
+        """The whole run; the same structure as ``POST /v1/agent/runs``."""
+        final: dict[str, Any] | None = None
+        for event in self.events(question, options):
+            if event["event"] == "final":
+                final = event["data"]
+            elif event["event"] == "error":
+                raise RuntimeError(event["data"]["message"])
+        assert final is not None
+        return final
+
+    def events(self, question: str, options: RunOptions | None = None) -> Iterator[AgentEvent]:
+        options = options or RunOptions()
+        trace = self.tracer.start_trace(attributes={"gen_ai.operation.name": "invoke_agent", "question": question})
+        run = _Run(question, options, trace)
+        try:
+            if self.retriever is not None:
+                run.prompt_passages = self._retrieve(run, question, options.lookup_k)
+            answer = ""
+            for step in range(options.max_steps):
+                tool_names = self._allowed_tools(options) if step < options.max_steps - 1 else []
+                text, stats = yield from self._generate_step(run, step, tool_names)
+                call = self._parse_call(text) if tool_names else None
+                if call is None:
+                    answer = text.strip()
+                    run.steps.append(self._step_record(step, "answer", stats))
+                    break
+                yield {"event": "tool_call", "data": {"step": step, "name": call.name, "arguments": call.arguments}}
+                result = self._execute(run, call, text)
+                run.steps.append(self._step_record(step, "tool_call", stats, call, result))
+                yield {"event": "tool_result", "data": {"step": step, **self._result_dict(result)}}
+            result = self._result(run, answer)
+            trace.root.set_attribute("output_tokens", result["usage"]["completion_tokens"])
+            trace.finish()
+            yield {"event": "final", "data": result}
+        except Exception as error:  # reported to the caller as an event; never a stack trace
+            logger.exception("agent run %s failed", run.run_id)
+            trace.root.record_exception(error)
+            trace.finish()
+            yield {"event": "error", "data": {"type": type(error).__name__, "message": str(error)}}
+
+    # -- stages ------------------------------------------------------------------------
+
+    def _retrieve(self, run: _Run, query: str, count: int) -> list[ShownPassage]:
+        """Search, show the top ``k`` (new ones get the next labels), feed all to prompt lookup."""
+        with run.trace.span(f"retrieval {getattr(self.retriever, 'name', 'index')}") as span:
+            passages, timings = self.retriever.search_with_timings(query, count)
+            known = {passage.id: passage for passage in run.shown}
+            shown = []
+            for passage in passages[: run.options.k]:
+                if passage.id not in known:
+                    known[passage.id] = ShownPassage(
+                        passage_label(len(run.shown)), passage.id, passage.source, passage.text
+                    )
+                    run.shown.append(known[passage.id])
+                shown.append(known[passage.id])
+            looked_up = {passage_id for passage_id, _ in run.lookup}
+            for passage in passages:
+                if passage.id not in looked_up:
+                    ids = self.tokenizer(passage.text, add_special_tokens=False)["input_ids"]
+                    run.lookup.append((passage.id, list(ids)))
+            span.set_attributes(
+                {
+                    "embed_ms": timings.embed_s * 1000,
+                    "search_ms": (timings.search_s + timings.lexical_s) * 1000,
+                    "top_k": run.options.k,
+                    "passage_ids": [passage.id for passage in shown],
+                }
+            )
+        return shown
+
+    def _generate_step(
+        self, run: _Run, step: int, tool_names: list[str]
+    ) -> Iterator[AgentEvent] | Any:  # a generator returning (text, stats)
+        with run.trace.span("prompt_build") as span:
+            parts = PromptParts(
+                run.question,
+                system=self.system,
+                tool_schemas=[self.registry.get(name).openai_schema() for name in tool_names],
+                # Passages found later by search_documents reach the model in its tool result,
+                # not here: re-rendering the first message would break the cached prefix.
+                passages=run.prompt_passages,
+                steps=run.messages,
+            )
+            prompt = encode_messages(self.tokenizer, build_messages(parts))
+            span.set_attribute("prompt_tokens", len(prompt))
+        options = run.options
+        request = GenerationRequest(
+            prompt,
+            max_tokens=options.max_tokens,
+            sampling=SamplingParams(temperature=options.temperature, top_p=options.top_p, seed=options.seed),
+            speculation=options.speculation,  # type: ignore[arg-type]
+            lookup_sources=[ids for _, ids in run.lookup],
+            lookup_source_names=[passage_id for passage_id, _ in run.lookup],
+            grammar=self.grammar_for(self.registry, tool_names) if tool_names else None,
+        )
+        decoder = IncrementalDecoder(self.tokenizer)
+        streaming = not tool_names  # with tools, text is streamed once it is known not to be a call
+        with run.trace.span(f"chat {self.model_name}", {"gen_ai.request.model": self.model_name}) as chat:
+            cycles = []
+            stats: GenerationStats | None = None
+            for event in self.generate(request):
+                if event.cycle is not None:
+                    cycles.append((event.cycle, len(event.token_ids)))
+                piece = decoder.push(event.token_ids)
+                if not streaming and decoder.text.strip():
+                    streaming = not decoder.text.lstrip().startswith("{")
+                    piece = decoder.text if streaming else ""
+                if streaming and piece:
+                    yield {"event": "token", "data": {"step": step, "text": piece}}
+                stats = event.stats or stats
+            assert stats is not None
+            self._record_chat(run.trace, chat, cycles, stats)
+        run.stats.append(stats)
+        return decoder.finish(), stats
+
+    def _record_chat(self, trace: Trace, chat: Any, cycles: list[tuple[Any, int]], stats: GenerationStats) -> None:
+        chat.set_attributes(
+            {
+                "gen_ai.usage.input_tokens": stats.prompt_tokens,
+                "gen_ai.usage.output_tokens": stats.output_tokens,
+                "cached_prompt_tokens": stats.cached_prompt_tokens,
+                "uncached_prompt_tokens": stats.prompt_tokens - stats.cached_prompt_tokens,
+                "target_calls": stats.target_calls,
+                "finish_reason": stats.finish_reason or "",
+            }
+        )
+        if not cycles:
+            return
+        prefill = cycles[0][0]
+        trace.add_completed_span("prefill", prefill.start_ns, prefill.end_ns, {"tokens": stats.prompt_tokens}, chat)
+        if len(cycles) > 1:
+            decode = trace.add_completed_span(
+                "decode", cycles[1][0].start_ns, cycles[-1][0].end_ns, {"cycles": len(cycles) - 1}, chat
+            )
+            for info, committed in cycles[1:]:
+                decode.add_cycle(SpeculationCycle.from_engine(info, committed))
+
+    def _execute(self, run: _Run, call: ToolCall, text: str) -> ToolResult:
+        with run.trace.span(f"execute_tool {call.name}", {"gen_ai.tool.name": call.name}) as span:
+            if call.name == SEARCH_TOOL and self.retriever is not None:
+                result = self._search_tool(run, call)
+            else:
+                result = run_tool_sync(self.registry, call.name, call.arguments)
+            span.set_attribute("status", "ok" if result.ok else result.error.type if result.error else "error")
+            if result.error is not None:
+                span.set_status("error", result.error.message)
+        run.messages.append({"role": "assistant", "content": text.strip()})
+        run.messages.append({"role": "tool", "content": result.content})
+        return result
+
+    def _search_tool(self, run: _Run, call: ToolCall) -> ToolResult:
+        """``search_documents`` run by the loop itself, so its passages become citable."""
+        start = time.perf_counter()
+        try:
+            _, arguments = validate_call(self.registry, call.name, call.arguments)
+        except InvalidArgumentsError as error:
+            return ToolResult(call.name, str(error), ToolError("invalid_arguments", str(error), error.field))
+        shown = self._retrieve(run, arguments.query, max(arguments.k, run.options.lookup_k))[: arguments.k]
+        content = "\n\n".join(f"[{passage.label}] ({passage.source})\n{passage.text}" for passage in shown)
+        return ToolResult(call.name, content or "No passages found.", None, time.perf_counter() - start)
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _allowed_tools(self, options: RunOptions) -> list[str]:
+        names = list(self.registry.names) if options.tools is None else list(options.tools)
+        for name in names:
+            self.registry.get(name)  # UnknownToolError names it
+        return names
+
+    @staticmethod
+    def _parse_call(text: str) -> ToolCall | None:
+        try:
+            return parse_tool_call(text)
+        except ValueError:
+            return None  # a call cut short by max_tokens is not a call: it ends as text
+
+    @staticmethod
+    def _result_dict(result: ToolResult) -> dict[str, Any]:
+        return {
+            "name": result.name,
+            "ok": result.ok,
+            "content": result.content,
+            "error": asdict(result.error) if result.error else None,
+        }
+
+    def _step_record(
+        self,
+        step: int,
+        kind: str,
+        stats: GenerationStats,
+        call: ToolCall | None = None,
+        result: ToolResult | None = None,
+    ) -> dict[str, Any]:
+        record: dict[str, Any] = {"index": step, "kind": kind, "speculation": speculation_summary([stats])}
+        if call is not None:
+            record["tool_call"] = {"name": call.name, "arguments": call.arguments}
+        if result is not None:
+            record["tool_result"] = self._result_dict(result)
+        return record
+
+    def _result(self, run: _Run, answer: str) -> dict[str, Any]:
+        citations, dropped = resolve_citations(answer, run.shown)
+        prompt_tokens = sum(stats.prompt_tokens for stats in run.stats)
+        completion_tokens = sum(stats.output_tokens for stats in run.stats)
+        return {
+            "run_id": run.run_id,
+            "answer": answer,
+            "citations": citations,
+            "dropped_citations": dropped,
+            "passages": [asdict(passage) for passage in run.shown],
+            "steps": run.steps,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "cached_prompt_tokens": sum(stats.cached_prompt_tokens for stats in run.stats),
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+            "speculation": speculation_summary(run.stats),
+            "trace_id": run.trace.trace_id,
+        }
+
+
+def resolve_citations(answer: str, shown: Sequence[ShownPassage]) -> tuple[list[dict[str, str]], int]:
+    """``[Pn]`` markers in order of first use, resolved to shown passages; unknown ones dropped."""
+    by_label = {passage.label: passage for passage in shown}
+    citations, seen, dropped = [], set(), 0
+    for match in _CITATION.finditer(answer):
+        label = f"P{match.group(1)}"
+        if label not in by_label:
+            dropped += 1
+        elif label not in seen:
+            seen.add(label)
+            passage = by_label[label]
+            citations.append({"label": label, "passage_id": passage.id, "source": passage.source, "text": passage.text})
+    return citations, dropped
+
+
+def speculation_summary(all_stats: Sequence[GenerationStats]) -> dict[str, Any]:
+    """Speculation counters summed over steps: did it run, why not, and what it bought."""
+    drafted = sum(stats.drafted_tokens for stats in all_stats)
+    accepted = sum(stats.accepted_tokens for stats in all_stats)
+    calls = sum(stats.target_calls for stats in all_stats)
+    output = sum(stats.output_tokens for stats in all_stats)
+    reasons: dict[str, int] = {}
+    by_source: dict[str, int] = {}
+    for stats in all_stats:
+        for reason, count in stats.speculation_off_reasons.items():
+            reasons[reason] = reasons.get(reason, 0) + count
+        for source, count in stats.accepted_by_source.items():
+            by_source[source] = by_source.get(source, 0) + count
+    return {
+        "ran": drafted > 0,
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
+        "target_calls": calls,
+        "committed_per_call": output / calls if calls else 0.0,
+        "off_reasons": reasons,
+        "accepted_by_source": by_source,
+    }

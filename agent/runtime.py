@@ -1,0 +1,105 @@
+"""``Agent``: the Python API. Models, engine, index and tools wired into the agent loop.
+
+    agent = Agent(tools=[get_weather], index="~/.cache/specrag/index/sample", model="qwen2.5-coder-0.5b")
+    result = agent.run("What does the with statement do?")   # the POST /v1/agent/runs shape
+
+The engine is not thread-safe. By default ``Agent`` serialises runs with a lock; with
+``concurrent=True`` an engine worker thread (``agent/worker.py``) owns the engine and runs
+from many threads interleave cycle by cycle, as the HTTP server needs.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from agent.loop import AgentEvent, AgentLoop, RunOptions
+from agent.prompt import DEFAULT_SYSTEM
+from agent.trace import Tracer, TraceStore
+from agent.worker import EngineWorker
+from decoding.engine import Engine
+from decoding.grammar import Grammar
+from decoding.model import CausalLM, load_model
+from decoding.prefix_cache import PrefixCache
+from decoding.request import GenerationEvent, GenerationRequest
+from tools import Tool, ToolRegistry, search_documents_tool
+
+DEFAULT_MODEL = "qwen2.5-coder-0.5b"
+
+
+class Agent:
+    def __init__(
+        self,
+        tools: Sequence[Tool | Callable[..., Any]] = (),
+        index: str | os.PathLike[str] | Any = None,
+        model: str | os.PathLike[str] | CausalLM = DEFAULT_MODEL,
+        draft: str | os.PathLike[str] | CausalLM | None = None,
+        *,
+        dtype: str = "auto",
+        system: str = DEFAULT_SYSTEM,
+        prefix_cache: PrefixCache | bool = True,
+        tracer: Tracer | None = None,
+        search_tool: bool = True,
+        concurrent: bool = False,
+        max_in_flight: int = 32,
+    ) -> None:
+        self.model = model if isinstance(model, CausalLM) else load_model(model, dtype=dtype)
+        self.draft = draft if isinstance(draft, CausalLM) or draft is None else load_model(draft, dtype=dtype)
+        self.engine = Engine(self.model, self.draft, prefix_cache=prefix_cache)
+        self.retriever = _open_index(index)
+        self.registry = ToolRegistry(tools)
+        if self.retriever is not None and search_tool and "search_documents" not in self.registry:
+            self.registry.register(search_documents_tool(self.retriever))
+        self.tracer = tracer or Tracer(store=TraceStore())
+        self._lock = threading.Lock()
+        self.worker = EngineWorker(self.engine, max_in_flight) if concurrent else None
+        self.loop = AgentLoop(
+            self.model.tokenizer,
+            self.generate,
+            self.registry,
+            self.grammar_for,
+            self.retriever,
+            model_name=self.model.name,
+            system=system,
+            tracer=self.tracer,
+        )
+
+    def run(self, question: str, **options: Any) -> dict[str, Any]:
+        """Run to the final answer: ``{run_id, answer, citations, steps, usage, speculation, trace_id}``."""
+        return self.loop.run(question, RunOptions(**options))
+
+    def stream(self, question: str, **options: Any) -> Iterator[AgentEvent]:
+        """The run as events: ``token``, ``tool_call``, ``tool_result``, ``final`` or ``error``."""
+        return self.loop.events(question, RunOptions(**options))
+
+    def trace(self, trace_id: str) -> dict[str, Any] | None:
+        store = self.tracer.store
+        return store.get(trace_id) if store is not None else None
+
+    def grammar_for(self, registry: ToolRegistry, names: Sequence[str]) -> Grammar:
+        """A call to one of ``names`` or plain text (compiled once per tool set)."""
+        chosen = ToolRegistry([registry.get(name) for name in names])
+        return chosen.grammar(self.model.grammar_compiler, allow_text=True)
+
+    def generate(self, request: GenerationRequest) -> Iterator[GenerationEvent]:
+        """Token ids in, events out, through the worker (concurrent) or under the lock."""
+        if self.worker is not None:
+            yield from self.worker.generate(request)
+            return
+        with self._lock:
+            yield from self.engine.generate(request)
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+
+
+def _open_index(index: str | os.PathLike[str] | Any) -> Any:
+    if index is None or hasattr(index, "search_with_timings"):
+        return index
+    from retrieval import Retriever
+
+    return Retriever.open(Path(index).expanduser())
