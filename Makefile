@@ -27,9 +27,8 @@ lint: install
 test: install lint
 	$(PY) -m pytest
 
-# Until the agent issue lands, `serve` runs the decoding demo (see README).
 serve: install
-	$(VENV)/bin/specrag demo
+	$(VENV)/bin/specrag serve
 
 bench: install
 	$(VENV)/bin/specrag bench decode

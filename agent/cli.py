@@ -6,8 +6,12 @@
     specrag demo                 stream a speculative RAG answer over the sample corpus
     specrag index build DOCS --out DIR    build or update a document index (``--sample``: pydoc topics)
     specrag index search DIR "QUERY"      top passages from an index
+    specrag serve                the HTTP API (agent/server.py) under uvicorn
+    specrag ask "QUESTION"       run the agent once: answer, citations, per-stage timings
 
-``serve``, ``ask`` and ``eval`` arrive with the agent and eval issues.
+``serve`` and ``ask`` without ``--index`` use the sample-corpus index, built on first use
+into ``$SPECRAG_CACHE/index/sample`` (default ``~/.cache/specrag``) and reused afterwards.
+``eval`` arrives with the eval issue.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import json
 import os
 import sys
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -97,7 +102,7 @@ def _index_search(args: argparse.Namespace) -> int:
     from retrieval import IndexLoadError, Retriever
 
     try:
-        retriever = Retriever.open(args.index, hybrid=args.hybrid)
+        retriever = Retriever.open(args.index, hybrid=not args.dense)
     except IndexLoadError as error:
         print(f"specrag index search: {error}", file=sys.stderr)
         return 1
@@ -110,6 +115,113 @@ def _index_search(args: argparse.Namespace) -> int:
         print(f"{passage.rank}. {passage.id}  score {passage.score:.4f}\n   {preview}")
     print(f"embed {timings.embed_s * 1000:.1f} ms, faiss {timings.search_s * 1000:.1f} ms", file=sys.stderr)
     return 0
+
+
+def sample_index_dir() -> Path:
+    from decoding.packs import cache_root
+
+    return cache_root() / "index" / "sample"
+
+
+def ensure_sample_index(model: str, progress: bool = True) -> Path:
+    """The sample-corpus index, built on first use; later calls are an up-to-date no-op."""
+    from retrieval import Chunker, ChunkerSettings, Embedder, build_index, load_sample_corpus, load_token_counter
+
+    try:
+        counter = load_token_counter(model, progress=progress)  # chunk in the served model's tokens
+    except ValueError:  # a .gguf path or hub id: no tokenizer folder to count with
+        counter = load_token_counter("whitespace")
+    out = sample_index_dir()
+    chunker = Chunker(ChunkerSettings(256, 32, counter.name), counter.count)
+    report = build_index(out, load_sample_corpus(), Embedder(), chunker, progress=progress)
+    if progress:
+        print(_describe_build(report), file=sys.stderr)
+    return out
+
+
+def _agent(args: argparse.Namespace, concurrent: bool, progress: bool) -> Any:
+    from agent.runtime import Agent
+
+    index = args.index or ensure_sample_index(args.model, progress=progress)
+    options = {"max_in_flight": args.max_in_flight} if concurrent else {}
+    return Agent(index=index, model=args.model, draft=args.draft, dtype=args.dtype, concurrent=concurrent, **options)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from agent.server import serve
+
+    agent = _agent(args, concurrent=True, progress=True)
+    try:
+        serve(agent, host=args.host, port=args.port)
+    finally:
+        agent.close()
+    return 0
+
+
+def _ask(args: argparse.Namespace) -> int:
+    from agent.trace import stage_durations
+
+    agent = _agent(args, concurrent=False, progress=not args.json)
+    options: dict[str, Any] = {"speculation": args.speculation, "max_tokens": args.max_tokens, "k": args.k}
+    if args.max_steps is not None:
+        options["max_steps"] = args.max_steps
+    result = agent.run(args.question, **options)
+    trace = agent.trace(result["trace_id"])
+    if args.json:
+        print(json.dumps({**result, "trace": trace}, indent=2))
+        return 0
+    print(result["answer"])
+    if result["citations"]:
+        print("\ncitations:")
+        for citation in result["citations"]:
+            print(f"  [{citation['label']}] {citation['source']} ({citation['passage_id']})")
+    if trace is not None:
+        print("\n" + _timing_table(stage_durations(trace), trace))
+    speculation, usage = result["speculation"], result["usage"]
+    print(
+        f"\ntokens: {usage['prompt_tokens']} prompt ({usage['cached_prompt_tokens']} cached), "
+        f"{usage['completion_tokens']} generated; speculation {'on' if speculation['ran'] else 'off'}, "
+        f"{speculation['accepted_tokens']}/{speculation['drafted_tokens']} drafted tokens accepted, "
+        f"{speculation['committed_per_call']:.2f} tokens per target call"
+    )
+    return 0
+
+
+def _timing_table(stages: dict[str, float], trace: dict[str, Any]) -> str:
+    total = (trace["duration_ms"] or 0.0) / 1000
+    rows = [(name, seconds) for name, seconds in stages.items()]
+    width = max([len(name) for name, _ in rows] + [5])
+    lines = [f"{'stage':<{width}}  {'ms':>9}  {'share':>6}"]
+    for name, seconds in rows:
+        share = seconds / total if total else 0.0
+        lines.append(f"{name:<{width}}  {seconds * 1000:>9.1f}  {share:>6.1%}")
+    lines.append(f"{'total':<{width}}  {total * 1000:>9.1f}")
+    return "\n".join(lines)
+
+
+def _add_agent_commands(commands: Any) -> None:
+    def model_options(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--model", default="qwen2.5-coder-0.5b", help="pack name, HF folder or .gguf path")
+        parser.add_argument("--draft", default=None, help="draft model (pack, folder, .gguf), same vocabulary")
+        parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+        parser.add_argument("--index", default=None, help="index directory (default: the sample corpus, built once)")
+
+    serve = commands.add_parser("serve", help="serve the HTTP API (OpenAI-compatible chat, agent runs, metrics)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    model_options(serve)
+    serve.add_argument("--max-in-flight", type=int, default=32, help="generations waiting or running; then 503")
+    serve.set_defaults(handler=_serve)
+
+    ask = commands.add_parser("ask", help="answer one question with the agent, with citations and stage timings")
+    ask.add_argument("question")
+    model_options(ask)
+    ask.add_argument("--speculation", choices=["auto", "on", "off"], default="auto")
+    ask.add_argument("--max-tokens", type=int, default=256)
+    ask.add_argument("--max-steps", type=int, default=None)
+    ask.add_argument("-k", type=int, default=5, help="passages shown in the prompt")
+    ask.add_argument("--json", action="store_true", help="print the result with its trace as JSON")
+    ask.set_defaults(handler=_ask)
 
 
 def _add_index_commands(commands: Any) -> None:
@@ -132,7 +244,7 @@ def _add_index_commands(commands: Any) -> None:
     search.add_argument("index", help="index directory")
     search.add_argument("query")
     search.add_argument("-k", type=int, default=5, help="how many passages")
-    search.add_argument("--hybrid", action="store_true", help="fuse BM25 with the dense ranking (RRF)")
+    search.add_argument("--dense", action="store_true", help="dense ranking only (default: fused with BM25)")
     search.add_argument("--json", action="store_true", help="print passages and timings as JSON")
     search.set_defaults(handler=_index_search)
 
@@ -166,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=_demo)
 
     _add_index_commands(commands)
+    _add_agent_commands(commands)
     return parser
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -71,10 +72,16 @@ def _subschemas(schema: Any, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
         return
     yield path, schema
     for key in _SCHEMA_MAPS:
-        for name, sub in (schema.get(key) or {}).items():
+        mapping = schema.get(key, {})
+        if not isinstance(mapping, dict):  # e.g. "properties": 5: not a schema xgrammar could read
+            raise UnsupportedSchemaError(key, path, f"{key} must be an object of schemas")
+        for name, sub in mapping.items():
             yield from _subschemas(sub, f"{path}/{key}/{name}")
     for key in _SCHEMA_LISTS:
-        for index, sub in enumerate(schema.get(key) or []):
+        items = schema.get(key, [])
+        if not isinstance(items, list):
+            raise UnsupportedSchemaError(key, path, f"{key} must be an array of schemas")
+        for index, sub in enumerate(items):
             yield from _subschemas(sub, f"{path}/{key}/{index}")
     for key in _SCHEMA_VALUES:
         value = schema.get(key)
@@ -131,11 +138,18 @@ def _rewrite_refs(node: Any, renamed: dict[str, str]) -> Any:
 class GrammarCompiler:
     """Compiles grammars for one vocabulary; thread-safe, cached by canonical JSON."""
 
-    def __init__(self, tokenizer_info: xgr.TokenizerInfo, encode: Callable[[str], list[int]] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer_info: xgr.TokenizerInfo,
+        encode: Callable[[str], list[int]] | None = None,
+        max_cached: int = 256,
+    ) -> None:
         self.tokenizer_info = tokenizer_info
         self.encode = encode  # spells forced text as the model would (see Grammar)
         self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=1)
-        self._cache: dict[str, Grammar] = {}
+        # Bounded: a server compiles whatever schemas its clients send.
+        self._cache: OrderedDict[str, Grammar] = OrderedDict()
+        self.max_cached = max_cached
         self._lock = threading.Lock()
 
     @classmethod
@@ -196,6 +210,11 @@ class GrammarCompiler:
 
     def _cached(self, key: str, build: Callable[[], xgr.Grammar]) -> Grammar:
         with self._lock:
-            if key not in self._cache:
-                self._cache[key] = Grammar(self._compiler.compile_grammar(build()), key, self.encode)
-            return self._cache[key]
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+            grammar = Grammar(self._compiler.compile_grammar(build()), key, self.encode)
+            self._cache[key] = grammar
+            while len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
+            return grammar

@@ -298,3 +298,24 @@ def test_json_object_mode_goes_through_the_same_path(engine: Engine, compiler: G
     assert not xgr.GrammarMatcher(grammar.compiled).accept_string("[1]")  # an object, not any JSON value
     if stats.finish_reason == "stop":
         assert isinstance(json.loads(decode(fast[:-1])), dict)
+
+
+@pytest.mark.parametrize(
+    "schema", [{"type": "object", "properties": 5}, {"anyOf": {"type": "string"}}, {"items": {"properties": []}}]
+)
+def test_malformed_schemas_are_refused_with_the_keyword_named(compiler: GrammarCompiler, schema: dict) -> None:
+    with pytest.raises(UnsupportedSchemaError) as caught:
+        compiler.json_schema(schema)
+    assert caught.value.feature in {"properties", "anyOf"}
+
+
+def test_the_grammar_cache_is_bounded_and_keeps_the_recently_used(compiler: GrammarCompiler) -> None:
+    small = GrammarCompiler(compiler.tokenizer_info, compiler.encode, max_cached=3)
+    schemas = [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}} for i in range(5)]
+    first = small.json_schema(schemas[0])
+    for schema in schemas[1:3]:
+        small.json_schema(schema)
+    assert small.json_schema(schemas[0]) is first  # a hit refreshes it
+    for schema in schemas[3:]:
+        small.json_schema(schema)
+    assert small.cached == 3 and small.json_schema(schemas[0]) is first

@@ -1,0 +1,99 @@
+"""``specrag serve`` and ``specrag ask``: the entry points over the real smollm2 pack, and the
+sample index built once and reused."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+import retrieval
+from agent import cli
+from retrieval import Corpus
+from tests.retrieval_helpers import sample_index, sample_subset, shared_embedder
+from tests.server_helpers import wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ["--model", "smollm2-135m", "--dtype", "float32"]
+QUICK = ["--max-steps", "1", "--speculation", "on"]  # "auto" would calibrate the cost model first (seconds)
+
+
+def specrag(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "agent.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=False, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def index_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(sample_index(tmp_path_factory.getbasetemp())[0])
+
+
+@pytest.mark.parametrize("command", ["serve", "ask"])
+def test_help(command: str) -> None:
+    result = specrag(command, "--help")
+    assert result.returncode == 0 and f"usage: specrag {command}" in result.stdout
+
+
+def test_ask_prints_the_answer_citations_and_a_stage_table(index_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    question = "What does the pass statement do?"
+    assert cli.main(["ask", question, *MODEL, *QUICK, "--index", index_dir, "--max-tokens", "4", "-k", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].strip()  # the answer
+    table = lines[lines.index(next(line for line in lines if line.startswith("stage"))) :]
+    assert any(line.startswith("retrieval") for line in table) and any(line.startswith("chat") for line in table)
+    assert any(line.startswith("total") for line in table)
+    assert "tokens per target call" in lines[-1]
+
+
+def test_ask_json_carries_the_result_and_its_trace(index_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["ask", "What does del do?", *MODEL, *QUICK, "--index", index_dir, "--max-tokens", "4", "-k", "1", "--json"]
+    assert cli.main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert {"answer", "citations", "usage", "speculation", "trace_id", "trace"} <= set(result)
+    assert result["trace"]["trace_id"] == result["trace_id"]
+
+
+def test_serve_runs_the_api_under_uvicorn(index_dir: str) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "agent.cli", "serve", *MODEL, "--index", index_dir, "--port", str(port)]
+    server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return server.poll() is not None  # stop waiting if it died
+
+    try:
+        assert wait_until(healthy, timeout=300, interval=0.5) and server.poll() is None, server.stderr
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "smollm2-135m"
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
+        assert httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=120).status_code == 200
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_the_sample_index_is_built_once_then_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SPECRAG_CACHE", "/somewhere/else")
+    assert cli.sample_index_dir() == Path("/somewhere/else/index/sample")
+    # Not the cache itself: moving $SPECRAG_CACHE would re-pull the model packs too.
+    monkeypatch.setattr(cli, "sample_index_dir", lambda: tmp_path / "index" / "sample")
+    few = Corpus(sample_subset().documents[:3])  # the whole corpus takes a minute to embed
+    monkeypatch.setattr(retrieval, "load_sample_corpus", lambda: few)
+    monkeypatch.setattr(retrieval, "Embedder", shared_embedder)  # the session's, loaded once
+    out = cli.ensure_sample_index("smollm2-135m")
+    assert out == tmp_path / "index" / "sample" and out.is_dir()
+    assert "wrote version" in capsys.readouterr().err
+    assert cli.ensure_sample_index("smollm2-135m") == out
+    assert "up to date" in capsys.readouterr().err
