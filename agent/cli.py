@@ -141,16 +141,22 @@ def ensure_sample_index(model: str, progress: bool = True) -> Path:
 
 def _agent(args: argparse.Namespace, concurrent: bool, progress: bool) -> Any:
     from agent.runtime import Agent
+    from agent.trace import Tracer, TraceStore
 
     index = args.index or ensure_sample_index(args.model, progress=progress)
-    options = {"max_in_flight": args.max_in_flight} if concurrent else {}
-    return Agent(index=index, model=args.model, draft=args.draft, dtype=args.dtype, concurrent=concurrent, **options)
+    options: dict[str, Any] = {"max_in_flight": args.max_in_flight} if concurrent else {}
+    trace_log = getattr(args, "trace_log", None) or os.environ.get("SPECRAG_TRACE_LOG")
+    tracer = Tracer(store=TraceStore(jsonl_path=Path(trace_log) if trace_log else None))
+    model = {"model": args.model, "draft": args.draft, "dtype": args.dtype}
+    return Agent(index=index, concurrent=concurrent, tracer=tracer, **model, **options)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from agent.server import serve
 
     agent = _agent(args, concurrent=True, progress=True)
+    # Measure the speculation cost model now (seconds), not inside the first request's TTFT.
+    agent.engine.calibrate()
     try:
         serve(agent, host=args.host, port=args.port)
     finally:
@@ -211,6 +217,7 @@ def _add_agent_commands(commands: Any) -> None:
     serve.add_argument("--port", type=int, default=8000)
     model_options(serve)
     serve.add_argument("--max-in-flight", type=int, default=32, help="generations waiting or running; then 503")
+    serve.add_argument("--trace-log", help="also append every finished trace as a JSON line to this file")
     serve.set_defaults(handler=_serve)
 
     ask = commands.add_parser("ask", help="answer one question with the agent, with citations and stage timings")

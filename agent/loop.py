@@ -56,7 +56,7 @@ class RunOptions:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
-    tools: Sequence[str] | None = None  # names the model may call; None: every registered tool
+    tools: Sequence[str] | None = None  # names the model may call; None: default_tools(registered)
 
 
 @dataclass(frozen=True)
@@ -191,6 +191,8 @@ class AgentLoop:
             )
             prompt = encode_messages(self.tokenizer, build_messages(parts))
             span.set_attribute("prompt_tokens", len(prompt))
+            # Compiled here (cached after the first time): part of building the request.
+            grammar = self.grammar_for(self.registry, tool_names) if tool_names else None
         options = run.options
         request = GenerationRequest(
             prompt,
@@ -199,7 +201,7 @@ class AgentLoop:
             speculation=options.speculation,  # type: ignore[arg-type]
             lookup_sources=[ids for _, ids in run.lookup],
             lookup_source_names=[passage_id for passage_id, _ in run.lookup],
-            grammar=self.grammar_for(self.registry, tool_names) if tool_names else None,
+            grammar=grammar,
         )
         decoder = IncrementalDecoder(self.tokenizer)
         streaming = not tool_names  # with tools, text is streamed once it is known not to be a call
@@ -270,7 +272,7 @@ class AgentLoop:
     # -- helpers -----------------------------------------------------------------------
 
     def _allowed_tools(self, options: RunOptions) -> list[str]:
-        names = list(self.registry.names) if options.tools is None else list(options.tools)
+        names = default_tools(self.registry.names) if options.tools is None else list(options.tools)
         for name in names:
             self.registry.get(name)  # UnknownToolError names it
         return names
@@ -326,6 +328,14 @@ class AgentLoop:
             "speculation": speculation_summary(run.stats),
             "trace_id": run.trace.trace_id,
         }
+
+
+def default_tools(registered: Sequence[str]) -> list[str]:
+    """The tools a run offers unless it names its own: every registered one but the built-in
+    search. The question's retrieval has already run; offered a second search by default,
+    the small models here (qwen2.5-coder-0.5b, smollm2) called it with placeholder queries
+    instead of answering. A run that names ``search_documents`` in ``tools`` gets it."""
+    return [name for name in registered if name != SEARCH_TOOL]
 
 
 def resolve_citations(answer: str, shown: Sequence[ShownPassage]) -> tuple[list[dict[str, str]], int]:

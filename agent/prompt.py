@@ -45,10 +45,33 @@ def passage_label(index: int) -> str:
 
 
 def system_message(parts: PromptParts) -> str:
+    """The system prompt, then how to call a tool and one line per tool.
+
+    Tools are shown as signatures, not raw JSON schemas: small models shown a schema tend to
+    copy it back instead of answering. The grammar enforces the full schema anyway.
+    """
     if not parts.tool_schemas:
         return parts.system
-    tools = "\n".join(json.dumps(schema, sort_keys=True, separators=(",", ":")) for schema in parts.tool_schemas)
-    return f"{parts.system}\n\nTools (answer with one JSON call to use one):\n{tools}"
+    tools = "\n".join(tool_line(schema) for schema in parts.tool_schemas)
+    return (
+        f"{parts.system}\n\nWhen you need a tool, reply with only a JSON object "
+        '{"name": "<tool>", "arguments": {...}} and nothing else. Otherwise answer in plain text.'
+        f"\nTools:\n{tools}"
+    )
+
+
+def tool_line(schema: dict[str, Any]) -> str:
+    """``- name(arg: type = default, ...): description`` from an OpenAI-style function schema."""
+    function = schema.get("function", schema)
+    properties = function.get("parameters", {}).get("properties", {})
+    required = set(function.get("parameters", {}).get("required", []))
+    arguments = []
+    for name, spec in properties.items():
+        kind = spec.get("type") or ("|".join(map(str, spec["enum"])) if "enum" in spec else "value")
+        default = "" if name in required or "default" not in spec else f" = {json.dumps(spec['default'])}"
+        arguments.append(f"{name}: {kind}{default}")
+    description = " ".join(str(function.get("description", "")).split())
+    return f"- {function['name']}({', '.join(arguments)}): {description}".rstrip(": ")
 
 
 def passages_message(passages: Sequence[PassageLike]) -> str:

@@ -38,6 +38,7 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 
 from agent.api_models import AgentRunRequest, ChatCompletionRequest, ErrorResponse, ServerLimits
 from agent.errors import EXCEPTION_HANDLERS, ApiError, error_body, invalid, logger
+from agent.loop import default_tools
 from agent.metrics import CONTENT_TYPE, MetricsMiddleware, ServerMetrics
 from agent.openai_compat import ChatRun, plan_chat
 from agent.trace_view import render_waterfall
@@ -217,7 +218,7 @@ def _run_options(agent: Any, body: AgentRunRequest, limits: ServerLimits) -> dic
     if max_steps > limits.max_steps_limit:
         raise invalid("max_steps", f"max_steps must be at most {limits.max_steps_limit}")
     known = agent.registry.names
-    tools = known if body.tools is None else body.tools
+    tools = default_tools(known) if body.tools is None else body.tools
     for name in tools:
         if name not in known:
             raise invalid("tools", f"unknown tool {name!r}; known tools: {', '.join(known) or '(none)'}")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.loop import AgentLoop, RunOptions, ShownPassage, resolve_citations
+from agent.loop import AgentLoop, RunOptions, ShownPassage, default_tools, resolve_citations
 from agent.runtime import Agent
 from agent.trace import Tracer, TraceStore, stages_cover_run
 from decoding.model import CausalLM
@@ -151,11 +151,15 @@ def test_search_documents_passages_become_citable(smollm2: CausalLM, retriever: 
         smollm2, [call("search_documents", query="lambda expressions", k=2), "Lambdas [P4]."], retriever
     )
     loop.registry.register(search_documents_tool(retriever))
-    result = loop.run("Tell me about lambdas.", RunOptions(k=3, lookup_k=3))
+    result = loop.run("Tell me about lambdas.", RunOptions(k=3, lookup_k=3, tools=["search_documents"]))
     labels = [passage["label"] for passage in result["passages"]]
     assert labels[:3] == ["P1", "P2", "P3"] and "P4" in labels
     assert result["citations"][0]["label"] == "P4"
     assert "[P4]" in result["steps"][0]["tool_result"]["content"]
+
+
+def test_the_built_in_search_is_offered_only_when_a_run_names_it() -> None:
+    assert default_tools(["search_documents", "add", "explode"]) == ["add", "explode"]
 
 
 def test_citations_resolve_in_order_and_drop_unknown_ones() -> None:

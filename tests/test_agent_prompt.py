@@ -34,7 +34,7 @@ def test_order_is_system_and_tools_then_history_then_passages_and_question() -> 
     history = ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"})
     messages = build_messages(PromptParts("Why?", tool_schemas=[TOOL], passages=PASSAGES, history=history))
     assert [message["role"] for message in messages] == ["system", "user", "assistant", "user"]
-    assert '"name":"lookup"' in messages[0]["content"]
+    assert "- lookup(q: string)" in messages[0]["content"]
     last = messages[-1]["content"]
     assert last.index("[P1] (a.md)") < last.index("[P2] (b.md)") < last.index("Question: Why?")
 

@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,25 @@ def test_the_readme_has_python_examples() -> None:
     assert readme_python_blocks()
 
 
+@pytest.fixture(scope="module")
+def readme_server(smollm2: CausalLM, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The README's HTTP examples talk to a real server (smollm2 for speed) at $SPECRAG_BASE_URL."""
+    from agent.server import create_app
+    from tests.server_helpers import LiveServer, sample_agent
+
+    agent = sample_agent(smollm2, tmp_path_factory.getbasetemp())
+    with LiveServer(create_app(agent, api_key="")) as url:
+        yield url
+    agent.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(readme_python_blocks())))
-def test_readme_python_example_runs(index: int, smollm2: CausalLM) -> None:
-    exec(compile(readme_python_blocks()[index], f"README.md example {index}", "exec"), {})
+def test_readme_python_example_runs(
+    index: int, smollm2: CausalLM, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    block = readme_python_blocks()[index]
+    if "SPECRAG_BASE_URL" in block:
+        monkeypatch.setenv("SPECRAG_BASE_URL", request.getfixturevalue("readme_server"))
+        monkeypatch.delenv("SPECRAG_API_KEY", raising=False)
+    exec(compile(block, f"README.md example {index}", "exec"), {})

@@ -1,0 +1,39 @@
+"""Every script in examples/ runs (on the smollm2 pack, so it takes seconds)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from decoding.model import CausalLM
+from tools import ToolRegistry, run_tool_sync
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_custom_tool_has_a_schema_and_runs() -> None:
+    example = load("custom_tool")
+    schema = example.convert_temperature.openai_schema()
+    assert schema["function"]["parameters"]["properties"]["unit"]["enum"] == ["celsius", "fahrenheit"]
+    result = run_tool_sync(
+        ToolRegistry([example.convert_temperature]), "convert_temperature", {"value": 21, "unit": "celsius"}
+    )
+    assert (result.ok and result.content == '"69.8 fahrenheit"') or result.content == "69.8 fahrenheit"
+
+
+@pytest.mark.slow
+def test_the_custom_tool_example_runs_through_the_agent(smollm2: CausalLM) -> None:
+    result = load("custom_tool").main(["--model", "smollm2-135m", "--max-tokens", "24"])
+    assert result["answer"] or result["steps"][-1]["kind"] == "answer"
+    assert all(step["tool_result"]["ok"] for step in result["steps"] if step["kind"] == "tool_call")
