@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,69 +10,16 @@ from agent.loop import AgentLoop, RunOptions, ShownPassage, default_tools, resol
 from agent.runtime import Agent
 from agent.trace import Tracer, TraceStore, stages_cover_run
 from decoding.model import CausalLM
-from decoding.request import GenerationEvent, GenerationRequest
-from decoding.stats import CycleInfo, GenerationStats
 from retrieval import Retriever
+from tests.agent_helpers import Scripted, add, call, explode, slow_lookup
 from tests.retrieval_helpers import sample_index, shared_embedder
-from tools import ToolRegistry, search_documents_tool, tool
-
-
-@tool(timeout_s=0.5)
-def slow_lookup(key: str) -> str:
-    """Look a key up slowly.
-
-    Args:
-        key: The key.
-    """
-    time.sleep(5)
-    return key
-
-
-@tool
-def explode(reason: str) -> str:
-    """Fail on purpose.
-
-    Args:
-        reason: Why.
-    """
-    raise RuntimeError(reason)
-
-
-@tool
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: First.
-        b: Second.
-    """
-    return a + b
+from tools import ToolRegistry, search_documents_tool
 
 
 @pytest.fixture(scope="module")
 def retriever(tmp_path_factory: pytest.TempPathFactory) -> Retriever:
     root, _ = sample_index(tmp_path_factory.getbasetemp())
     return Retriever.open(root, shared_embedder())
-
-
-class Scripted:
-    """Stands in for the engine in loop unit tests: replies with fixed texts, one per step."""
-
-    def __init__(self, tokenizer: object, replies: list[str]) -> None:
-        self.tokenizer = tokenizer
-        self.replies = list(replies)
-        self.requests: list[GenerationRequest] = []
-
-    def __call__(self, request: GenerationRequest) -> Iterator[GenerationEvent]:
-        self.requests.append(request)
-        tokens = self.tokenizer(self.replies.pop(0), add_special_tokens=False)["input_ids"]
-        stats = GenerationStats(prompt_tokens=len(request.prompt_tokens), output_tokens=len(tokens))
-        stats.target_calls = len(tokens)
-        for index, token in enumerate(tokens):
-            now = time.monotonic_ns()
-            cycle = CycleInfo("prefill" if index == 0 else "plain", now, now + 1000, 0, 0, None, {})
-            last = index == len(tokens) - 1
-            yield GenerationEvent(0, [token], last, "stop" if last else None, stats if last else None, cycle)
 
 
 def scripted_loop(smollm2: CausalLM, replies: list[str], retriever: Retriever | None = None) -> tuple:
@@ -90,10 +34,6 @@ def scripted_loop(smollm2: CausalLM, replies: list[str], retriever: Retriever | 
         tracer=Tracer(store=TraceStore()),
     )
     return loop, script
-
-
-def call(name: str, **arguments: object) -> str:
-    return json.dumps({"name": name, "arguments": arguments})
 
 
 def test_a_tool_call_runs_and_its_result_reaches_the_next_prompt(smollm2: CausalLM) -> None:

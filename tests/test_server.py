@@ -5,7 +5,6 @@ failures inside a stream."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,10 +16,8 @@ from agent.loop import AgentLoop
 from agent.runtime import Agent
 from agent.server import create_app
 from decoding.model import CausalLM
-from decoding.request import GenerationEvent, GenerationRequest
-from decoding.stats import CycleInfo, GenerationStats
+from tests.agent_helpers import Scripted, call, explode, slow_lookup
 from tests.server_helpers import assert_error, sample_agent
-from tools import tool
 
 QUESTION = "What does the pass statement do?"
 QUOTE = "Repeat this sentence exactly: the pass statement is a null operation and nothing happens when it runs."
@@ -161,51 +158,11 @@ def test_an_api_key_guards_every_route_but_healthz(agent: Agent, monkeypatch: py
 # -- tool failures inside a stream (the model's replies scripted; everything else real) -------
 
 
-@tool
-def explode(reason: str) -> str:
-    """Fail on purpose.
-
-    Args:
-        reason: Why.
-    """
-    raise RuntimeError(reason)
-
-
-@tool(timeout_s=0.3)
-def slow_lookup(key: str) -> str:
-    """Look a key up slowly.
-
-    Args:
-        key: The key.
-    """
-    time.sleep(3)
-    return key
-
-
-def call(name: str, **arguments: object) -> str:
-    return json.dumps({"name": name, "arguments": arguments})
-
-
-class ScriptedModel:
-    """Stands in for generation only: replies with fixed texts, one per step (smollm2 can't be
-    relied on to call a tool, and the point here is what the server does with a failing one)."""
-
-    def __init__(self, tokenizer: Any, replies: list[str]) -> None:
-        self.tokenizer = tokenizer
-        self.replies = list(replies)
-
-    def __call__(self, request: GenerationRequest) -> Iterator[GenerationEvent]:
-        tokens = self.tokenizer(self.replies.pop(0), add_special_tokens=False)["input_ids"]
-        stats = GenerationStats(prompt_tokens=len(request.prompt_tokens), output_tokens=len(tokens), target_calls=1)
-        now = time.monotonic_ns()
-        yield GenerationEvent(0, tokens, True, "stop", stats, CycleInfo("prefill", now, now + 1000, 0, 0, None, {}))
-
-
 def test_tool_errors_and_timeouts_are_stream_events_and_the_server_keeps_serving(smollm2: CausalLM) -> None:
     agent = Agent(tools=[explode, slow_lookup], index=None, model=smollm2, concurrent=True)
     replies = [call("explode", reason="boom"), call("slow_lookup", key="k"), "Both tools failed."]
     agent.loop = AgentLoop(
-        smollm2.tokenizer, ScriptedModel(smollm2.tokenizer, replies), agent.registry, agent.grammar_for,
+        smollm2.tokenizer, Scripted(smollm2.tokenizer, replies), agent.registry, agent.grammar_for,
         tracer=agent.tracer,
     )  # fmt: skip
     try:
