@@ -22,7 +22,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from agent.prompt import DEFAULT_SYSTEM, PromptParts, build_messages, encode_messages, passage_label
+from agent.prompt import (
+    DEFAULT_SYSTEM,
+    PromptParts,
+    build_messages,
+    encode_messages,
+    format_passage,
+    passage_label,
+)
 from agent.stream import IncrementalDecoder
 from agent.trace import SpeculationCycle, Trace, Tracer
 from decoding.request import GenerationEvent, GenerationRequest
@@ -266,7 +273,7 @@ class AgentLoop:
         except InvalidArgumentsError as error:
             return ToolResult(call.name, str(error), ToolError("invalid_arguments", str(error), error.field))
         shown = self._retrieve(run, arguments.query, max(arguments.k, run.options.lookup_k))[: arguments.k]
-        content = "\n\n".join(f"[{passage.label}] ({passage.source})\n{passage.text}" for passage in shown)
+        content = "\n\n".join(format_passage(passage.label, passage.source, passage.text) for passage in shown)
         return ToolResult(call.name, content or "No passages found.", None, time.perf_counter() - start)
 
     # -- helpers -----------------------------------------------------------------------

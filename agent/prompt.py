@@ -74,9 +74,14 @@ def tool_line(schema: dict[str, Any]) -> str:
     return f"- {function['name']}({', '.join(arguments)}): {description}".rstrip(": ")
 
 
+def format_passage(label: str, source: str, text: str) -> str:
+    """One passage as the model sees it, in the prompt and in a search tool's result alike."""
+    return f"[{label}] ({source})\n{text}"
+
+
 def passages_message(passages: Sequence[PassageLike]) -> str:
     shown = "\n\n".join(
-        f"[{passage_label(index)}] ({passage.source})\n{passage.text}" for index, passage in enumerate(passages)
+        format_passage(passage_label(index), passage.source, passage.text) for index, passage in enumerate(passages)
     )
     return f"Passages:\n{shown}"
 
