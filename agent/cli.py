@@ -286,7 +286,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_index_commands(commands)
     _add_agent_commands(commands)
+    _add_eval_commands(commands)
     return parser
+
+
+def _add_eval_commands(commands: Any) -> None:
+    from evals.run import add_arguments
+
+    evaluate = commands.add_parser("eval", help="evaluations of the agent (see evals/)")
+    suites = evaluate.add_subparsers(dest="suite", required=True)
+    grounded = suites.add_parser(
+        "groundedness", help="answer the groundedness set; score support, citations, correctness, speculation"
+    )
+    add_arguments(grounded)
+    grounded.set_defaults(handler=_eval_groundedness)
+
+
+def _eval_groundedness(args: argparse.Namespace) -> int:
+    from evals.run import run
+
+    return run(args, command=" ".join(["specrag", *sys.argv[1:]]))
 
 
 def _bench(args: argparse.Namespace) -> int:

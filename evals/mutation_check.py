@@ -200,6 +200,41 @@ MUTATIONS = (
         "cached_len, segment = cache.lookup(token_ids)",
         ("tests/test_prefix_cache.py",),
     ),
+    Mutation(
+        "groundedness_ignores_numbers",
+        "evals/groundedness.py",
+        "            _number_problem(sentence, aligned, passages)\n            or _name_problem",
+        "            None\n            or _name_problem",
+        ("tests/test_groundedness.py",),
+    ),
+    Mutation(
+        "groundedness_ignores_code_names",
+        "evals/groundedness.py",
+        "or _name_problem(sentence, aligned, passages)",
+        "or None",
+        ("tests/test_groundedness.py",),
+    ),
+    Mutation(
+        "groundedness_ignores_negation",
+        "evals/groundedness.py",
+        "or tm.negation_conflict(sentence, aligned, [s for p in evidence_passages for s in p.sentences])",
+        "or None",
+        ("tests/test_groundedness.py",),
+    ),
+    Mutation(
+        "groundedness_paraphrase_skips_clause_check",
+        "evals/groundedness.py",
+        "        if clause:\n",
+        "        if False:\n",
+        ("tests/test_groundedness.py",),
+    ),
+    Mutation(
+        "citation_precision_counts_every_citation",
+        "evals/groundedness.py",
+        "precise += _citation_supports(scorer, sentence.text, label, valid, prepared)",
+        "precise += 1",
+        ("tests/test_groundedness.py",),
+    ),
 )
 
 

@@ -1,0 +1,363 @@
+"""Groundedness without a judge model: is each sentence of an answer supported by the passages?
+
+The formula is RAGAS faithfulness (supported sentences ÷ scorable sentences) so figures compare;
+the judge is string evidence plus a sentence embedding instead of an LLM, checked in the order
+a reviewer would:
+
+1. a number in no passage, or another number than the aligned passage sentence states → unsupported;
+2. a code name (exception, dunder, dotted name, keyword named as such) in no passage, or swapped
+   for the one the aligned sentence uses → unsupported;
+3. negation: the claim negates what the evidence states, or drops a negation → unsupported;
+4. near-verbatim (its content stems in order inside one passage) → supported;
+5. content: stem coverage by the best passage (or best two, for a sentence joining two facts)
+   ≥ ``lexical_coverage`` → supported; below ``min_coverage`` → unsupported; in between, the
+   sentence must be close in meaning to a passage sentence (MiniLM cosine ≥ ``min_similarity``).
+
+Thresholds were tuned on the odd half of the calibration set (evals/calibrate_groundedness.py
+reports the held-out half too). What it cannot see: a claim that reuses the passage's words
+with a changed meaning beyond negation (swapped subject and object, "before" for "after"), and
+negation said with other words ("is forbidden" for "is not allowed"). Sentences that say the
+documents do not answer are abstentions, not claims: they are not scored.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from evals import text_match as tm
+
+MIN_CONTENT_STEMS = 3  # fewer content words than this is not a claim ("Yes.", "In short:")
+SWAP_ALIGNMENT = 0.6  # share of a claim's words in one passage sentence for "same statement, other value"
+
+
+@dataclass(frozen=True)
+class ScorerSettings:
+    lexical_coverage: float = 0.85  # this share of content stems in the evidence is support on its own
+    min_coverage: float = 0.4  # below this share, no similarity rescues a sentence
+    min_similarity: float = 0.55  # cosine to the closest passage sentence (or pair) in between
+    verbatim_coverage: float = 0.9  # in-order share that counts as a near-verbatim span
+    clause_coverage: float = 0.25  # a clause of a paraphrase needs this share of its words in some passage
+    semantic: bool = True  # False: lexical only (a sentence needs lexical_coverage)
+
+
+@dataclass
+class SentenceVerdict:
+    text: str
+    supported: bool | None  # None: not scorable (abstention, too short)
+    best_passage: int | None  # index into the passages
+    evidence: str  # the passage sentence the claim aligns with
+    reason: str
+    coverage: float = 0.0
+    citations: list[str] = field(default_factory=list)  # "P1" markers carried by the sentence
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class GroundednessResult:
+    score: float | None  # supported ÷ scorable; None when nothing is scorable
+    sentences: list[SentenceVerdict]
+
+    @property
+    def scorable(self) -> int:
+        return sum(1 for sentence in self.sentences if sentence.supported is not None)
+
+    @property
+    def supported(self) -> int:
+        return sum(1 for sentence in self.sentences if sentence.supported)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"score": self.score, "scorable": self.scorable, "sentences": [s.as_dict() for s in self.sentences]}
+
+
+@dataclass(frozen=True)
+class _Passage:
+    text: str
+    stems: frozenset[str]
+    ordered_stems: tuple[str, ...]
+    numbers: frozenset[str]
+    identifiers: frozenset[str]
+    sentences: tuple[str, ...]
+
+    @classmethod
+    def of(cls, text: str) -> _Passage:
+        ordered = tuple(tm.content_stems(text))
+        return cls(
+            text,
+            frozenset(ordered),
+            ordered,
+            frozenset(tm.numbers(text)),
+            frozenset(tm.identifier_tokens(text)),
+            tuple(tm.split_passage_sentences(text)),
+        )
+
+
+class GroundednessScorer:
+    """Scores answers against passages; keeps passage embeddings between calls (an eval run
+    checks many answers against the same passages). ``embedder``: anything with
+    ``encode(texts) -> normalised rows`` (retrieval.Embedder); None loads MiniLM when
+    ``settings.semantic``."""
+
+    def __init__(self, settings: ScorerSettings | None = None, embedder: Any = None) -> None:
+        self.settings = settings or ScorerSettings()
+        self._embedder = embedder
+        self._windows: dict[str, tuple[list[str], np.ndarray]] = {}
+
+    @property
+    def embedder(self) -> Any:
+        if self._embedder is None:
+            from retrieval import Embedder
+
+            self._embedder = Embedder()
+        return self._embedder
+
+    def score(self, answer: str, passages: Sequence[str]) -> GroundednessResult:
+        """Per-sentence support of ``answer`` by ``passages`` (any of them may support any sentence)."""
+        prepared = [_Passage.of(text) for text in passages]
+        verdicts = [self.judge(sentence, prepared) for sentence in tm.split_sentences(answer)]
+        scorable = [v for v in verdicts if v.supported is not None]
+        value = sum(1 for v in scorable if v.supported) / len(scorable) if scorable else None
+        return GroundednessResult(value, verdicts)
+
+    def judge(self, sentence: str, passages: Sequence[_Passage]) -> SentenceVerdict:
+        labels = tm.cited_labels(sentence)
+        if sentence.startswith("```"):
+            return _judge_code(sentence, passages, labels)
+        if tm.is_abstention(sentence):
+            reason = "abstention: says the documents do not answer"
+            return SentenceVerdict(sentence, None, None, "", reason, 0.0, labels)
+        stems = tm.content_stems(sentence)
+        if len(set(stems)) < MIN_CONTENT_STEMS:
+            return SentenceVerdict(sentence, None, None, "", "too short to be a claim", 0.0, labels)
+        if not passages:
+            return SentenceVerdict(sentence, False, None, "", "no passages", 0.0, labels)
+        return self._judge_claim(sentence, stems, passages, labels)
+
+    def _judge_claim(
+        self, sentence: str, stems: list[str], passages: Sequence[_Passage], labels: list[str]
+    ) -> SentenceVerdict:
+        wanted = set(stems)
+        ranked = sorted(range(len(passages)), key=lambda i: -len(wanted & passages[i].stems))
+        best, evidence_ids = ranked[0], ranked[:1]
+        coverage = _coverage(wanted, [passages[best]])
+        if coverage < self.settings.lexical_coverage and len(ranked) > 1:  # a sentence may join two facts
+            joined = _coverage(wanted, [passages[i] for i in ranked[:2]])
+            if joined > coverage:
+                coverage, evidence_ids = joined, ranked[:2]
+        evidence_passages = [passages[i] for i in evidence_ids]
+        aligned = _aligned_sentence(wanted, evidence_passages)
+        problem = (
+            _number_problem(sentence, aligned, passages)
+            or _name_problem(sentence, aligned, passages)
+            or tm.negation_conflict(sentence, aligned, [s for p in evidence_passages for s in p.sentences])
+        )
+        if problem:
+            supported, reason, evidence = False, problem, aligned
+        else:
+            supported, reason, evidence = self._content_support(sentence, stems, coverage, passages[best], passages)
+        return SentenceVerdict(sentence, supported, best, evidence or aligned, reason, round(coverage, 3), labels)
+
+    def _content_support(
+        self, sentence: str, stems: list[str], coverage: float, best: _Passage, passages: Sequence[_Passage]
+    ) -> tuple[bool, str, str]:
+        """(supported, reason, evidence or "") once numbers, names and negation agree."""
+        settings = self.settings
+        if _in_order_share(stems, best.ordered_stems) >= settings.verbatim_coverage:
+            return True, "near-verbatim span", ""
+        if coverage >= settings.lexical_coverage:
+            return True, f"{coverage:.0%} of its content words in the evidence; numbers and names agree", ""
+        if coverage < settings.min_coverage or not settings.semantic:
+            return False, f"only {coverage:.0%} of its content words are in the evidence", ""
+        clause = _unsupported_clause(sentence, passages, settings.clause_coverage)
+        if clause:
+            return False, f"clause with no support: '{clause}'", ""
+        similarity, closest = self._closest(sentence, passages)
+        if similarity >= settings.min_similarity:
+            return True, f"paraphrase: cosine {similarity:.2f} to a passage sentence", closest
+        return False, f"{coverage:.0%} of its content words in the evidence, closest cosine {similarity:.2f}", ""
+
+    def _closest(self, sentence: str, passages: Sequence[_Passage]) -> tuple[float, str]:
+        windows, vectors = [], []
+        for passage in passages:
+            texts, matrix = self._passage_windows(passage.text)
+            windows.extend(texts)
+            vectors.append(matrix)
+        claim = self.embedder.encode([tm.strip_citations(sentence)])
+        similarities = np.concatenate(vectors) @ np.asarray(claim)[0]
+        index = int(np.argmax(similarities))
+        return float(similarities[index]), windows[index]
+
+    def _passage_windows(self, text: str) -> tuple[list[str], np.ndarray]:
+        """Every sentence of the passage (code too) and every adjacent pair, embedded once."""
+        if text not in self._windows:
+            sentences = [
+                part for block in re.split(r"\n\s*\n", text) for part in tm.split_prose_block(" ".join(block.split()))
+            ] or [text]
+            windows = sentences + [a + " " + b for a, b in itertools.pairwise(sentences)]
+            self._windows[text] = (windows, np.asarray(self.embedder.encode(windows)))
+        return self._windows[text]
+
+
+@functools.cache
+def default_scorer() -> GroundednessScorer:
+    """One shared scorer (and MiniLM) for the module-level ``score``."""
+    return GroundednessScorer()
+
+
+def score(answer: str, passages: Sequence[str], settings: ScorerSettings | None = None) -> GroundednessResult:
+    """Per-sentence support of ``answer`` by ``passages``: ``GroundednessResult(score, sentences)``."""
+    scorer = default_scorer() if settings is None else GroundednessScorer(settings, default_scorer()._embedder)
+    return scorer.score(answer, passages)
+
+
+def _unsupported_clause(sentence: str, passages: Sequence[_Passage], min_coverage: float) -> str | None:
+    """A clause (of a sentence judged by its meaning) whose own words are mostly in no passage:
+    the sentence as a whole can be close to a passage while one clause adds a claim."""
+    known = set().union(*(p.stems for p in passages))
+    for clause in tm.clauses(sentence):
+        wanted = set(tm.content_stems(clause))
+        if len(wanted) >= MIN_CONTENT_STEMS and len(wanted & known) / len(wanted) < min_coverage:
+            return clause.strip()
+    return None
+
+
+def _number_problem(sentence: str, aligned: str, passages: Sequence[_Passage]) -> str | None:
+    """A number in no passage, or a number where the aligned passage sentence has another.
+
+    Number words ("two dicts") count only when the aligned sentence itself states a number:
+    in prose they are mostly not quantities.
+    """
+    known = set().union(*(p.numbers for p in passages))
+    aligned_numbers = tm.numbers(aligned)
+    claimed = tm.numbers(sentence) if aligned_numbers else tm.numbers(sentence, words=False)
+    missing = claimed - known
+    if missing:
+        return f"number {', '.join(sorted(missing))} in no passage"
+    extra, absent = claimed - aligned_numbers, aligned_numbers - tm.numbers(sentence)
+    if extra and absent and _aligned_share(sentence, aligned) >= SWAP_ALIGNMENT:
+        return f"number {', '.join(sorted(extra))} where the passage says {', '.join(sorted(absent))}"
+    return None
+
+
+def _name_problem(sentence: str, aligned: str, passages: Sequence[_Passage]) -> str | None:
+    """A code name in no passage, or one swapped for the name the aligned passage sentence uses."""
+    known = set().union(*(p.identifiers for p in passages))
+    claimed = tm.code_names(sentence)
+    missing = {name for name in claimed if name not in known and name.removesuffix("s") not in known}
+    if missing:
+        return f"name {', '.join(sorted(missing))} in no passage"
+    aligned_names = tm.code_names(aligned)
+    extra, absent = claimed - aligned_names, aligned_names - claimed - tm.identifier_tokens(sentence)
+    if extra and absent and _aligned_share(sentence, aligned) >= SWAP_ALIGNMENT:
+        return f"name {', '.join(sorted(extra))} where the passage says {', '.join(sorted(absent))}"
+    return None
+
+
+def _aligned_share(sentence: str, aligned: str) -> float:
+    wanted = set(tm.content_stems(sentence))
+    return len(wanted & set(tm.content_stems(aligned))) / len(wanted) if wanted else 0.0
+
+
+def _coverage(wanted: set[str], passages: Sequence[_Passage]) -> float:
+    found = set().union(*(p.stems for p in passages)) & wanted
+    return len(found) / len(wanted) if wanted else 0.0
+
+
+def _aligned_sentence(wanted: set[str], passages: Sequence[_Passage]) -> str:
+    """The passage sentence sharing most content stems with the claim (a window of two on ties)."""
+    best_text, best_overlap = "", -1
+    for passage in passages:
+        sentences = passage.sentences or (passage.text,)
+        for index, sentence in enumerate(sentences):
+            overlap = len(wanted & set(tm.content_stems(sentence)))
+            if overlap > best_overlap:
+                best_text, best_overlap = sentence, overlap
+            if index + 1 < len(sentences):
+                pair = sentence + " " + sentences[index + 1]
+                pair_overlap = len(wanted & set(tm.content_stems(pair)))
+                if pair_overlap > best_overlap + 1:  # a window only when it adds real evidence
+                    best_text, best_overlap = pair, pair_overlap
+    return best_text
+
+
+def _in_order_share(stems: Sequence[str], passage_stems: Sequence[str]) -> float:
+    """Longest common subsequence of the claim's stems and a passage's, over the claim's length."""
+    if not stems:
+        return 0.0
+    positions: dict[str, list[int]] = {}
+    for index, token in enumerate(passage_stems):
+        positions.setdefault(token, []).append(index)
+    # LCS by patience-style DP over the claim (claims are short: O(len(claim) * occurrences)).
+    previous = [0] * (len(passage_stems) + 1)
+    for token in stems:
+        current = previous[:]
+        for index in positions.get(token, ()):
+            current[index + 1] = max(current[index + 1], previous[index] + 1)
+        for index in range(1, len(current)):
+            current[index] = max(current[index], current[index - 1])
+        previous = current
+    return previous[-1] / len(stems)
+
+
+def _judge_code(block: str, passages: Sequence[_Passage], labels: list[str]) -> SentenceVerdict:
+    lines = [tm.whitespace_normalized(line) for line in block.strip("`").splitlines()[1:]]
+    lines = [line for line in lines if line and not line.startswith("#")]
+    if not lines:
+        return SentenceVerdict(block, None, None, "", "empty code block", 0.0, labels)
+    texts = [tm.whitespace_normalized(p.text) for p in passages]
+    found = [line for line in lines if any(line in text for text in texts)]
+    share = len(found) / len(lines)
+    best = max(range(len(texts)), key=lambda i: sum(line in texts[i] for line in lines)) if texts else None
+    if share >= 0.8:
+        return SentenceVerdict(block, True, best, found[0], "code lines appear in a passage", share, labels)
+    return SentenceVerdict(block, False, best, "", f"only {share:.0%} of code lines appear in a passage", share, labels)
+
+
+def citation_scores(answer: str, shown: Mapping[str, str], scorer: GroundednessScorer | None = None) -> dict[str, Any]:
+    """Citation checks for an answer whose ``[Pn]`` markers refer to ``shown`` (label → text).
+
+    precision: (sentence, cited passage) pairs where that passage supports the sentence, alone or
+    with the other passages the sentence cites; recall: supported sentences carrying a citation.
+    ``unresolved``: markers naming a passage that was never shown.
+    """
+    scorer = scorer or default_scorer()
+    prepared = {label: _Passage.of(text) for label, text in shown.items()}
+    result = scorer.score(answer, list(shown.values()))
+    pairs = precise = unresolved = cited_supported = 0
+    for sentence in result.sentences:
+        valid = [label for label in sentence.citations if label in prepared]
+        unresolved += len(sentence.citations) - len(valid)
+        if sentence.supported is None:
+            continue
+        if sentence.supported and valid:
+            cited_supported += 1
+        for label in valid:
+            pairs += 1
+            precise += _citation_supports(scorer, sentence.text, label, valid, prepared)
+    return {
+        "precision": precise / pairs if pairs else None,
+        "recall": cited_supported / result.supported if result.supported else None,
+        "citations": pairs,
+        "unresolved": unresolved,
+        "groundedness": result,
+    }
+
+
+def _citation_supports(
+    scorer: GroundednessScorer, sentence: str, label: str, cited: Sequence[str], passages: Mapping[str, _Passage]
+) -> bool:
+    if scorer.judge(sentence, [passages[label]]).supported:
+        return True
+    if len(cited) < 2 or not scorer.judge(sentence, [passages[other] for other in cited]).supported:
+        return False
+    # Jointly supported: this citation must contribute some of the sentence's content.
+    wanted = set(tm.content_stems(sentence))
+    return len(wanted & passages[label].stems) >= max(1, len(wanted) // 4)
