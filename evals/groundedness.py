@@ -121,7 +121,9 @@ class GroundednessScorer:
 
     def score(self, answer: str, passages: Sequence[str]) -> GroundednessResult:
         """Per-sentence support of ``answer`` by ``passages`` (any of them may support any sentence)."""
-        prepared = [_Passage.of(text) for text in passages]
+        return self._score_prepared(answer, [_Passage.of(text) for text in passages])
+
+    def _score_prepared(self, answer: str, prepared: Sequence[_Passage]) -> GroundednessResult:
         verdicts = [self.judge(sentence, prepared) for sentence in tm.split_sentences(answer)]
         scorable = [v for v in verdicts if v.supported is not None]
         value = sum(1 for v in scorable if v.supported) / len(scorable) if scorable else None
@@ -330,7 +332,7 @@ def citation_scores(answer: str, shown: Mapping[str, str], scorer: GroundednessS
     """
     scorer = scorer or default_scorer()
     prepared = {label: _Passage.of(text) for label, text in shown.items()}
-    result = scorer.score(answer, list(shown.values()))
+    result = scorer._score_prepared(answer, list(prepared.values()))  # passages parsed once
     pairs = precise = unresolved = cited_supported = 0
     for sentence in result.sentences:
         valid = [label for label in sentence.citations if label in prepared]
