@@ -37,6 +37,17 @@ class AgentRunRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: Seed | None = None
     max_tokens: MaxTokens | None = None
     k: Annotated[int, msgspec.Meta(ge=1, le=20, description="passages shown in the prompt")] = 5
+    abstain_threshold: (
+        Annotated[
+            float,
+            msgspec.Meta(
+                ge=0.0,
+                le=1.0,
+                description="reply 'The documents do not say.' when the answerability probe's P(no) reaches this",
+            ),
+        ]
+        | None
+    ) = None
 
 
 class FunctionCall(msgspec.Struct, kw_only=True):

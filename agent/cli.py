@@ -8,10 +8,10 @@
     specrag index search DIR "QUERY"      top passages from an index
     specrag serve                the HTTP API (agent/server.py) under uvicorn
     specrag ask "QUESTION"       run the agent once: answer, citations, per-stage timings
+    specrag eval groundedness --out DIR   score the agent's answers over the groundedness set
 
 ``serve`` and ``ask`` without ``--index`` use the sample-corpus index, built on first use
 into ``$SPECRAG_CACHE/index/sample`` (default ``~/.cache/specrag``) and reused afterwards.
-``eval`` arrives with the eval issue.
 """
 
 from __future__ import annotations
@@ -28,6 +28,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 if TYPE_CHECKING:
     from retrieval import BuildReport
+
+
+def probability(text: str) -> float:
+    """An argparse type: a float within [0, 1]."""
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be within [0, 1], not {text}")
+    return value
 
 
 def _pull(args: argparse.Namespace) -> int:
@@ -171,6 +179,8 @@ def _ask(args: argparse.Namespace) -> int:
     options: dict[str, Any] = {"speculation": args.speculation, "max_tokens": args.max_tokens, "k": args.k}
     if args.max_steps is not None:
         options["max_steps"] = args.max_steps
+    if args.abstain_threshold is not None:
+        options["abstain_threshold"] = args.abstain_threshold
     result = agent.run(args.question, **options)
     trace = agent.trace(result["trace_id"])
     if args.json:
@@ -227,6 +237,12 @@ def _add_agent_commands(commands: Any) -> None:
     ask.add_argument("--max-tokens", type=int, default=256)
     ask.add_argument("--max-steps", type=int, default=None)
     ask.add_argument("-k", type=int, default=5, help="passages shown in the prompt")
+    ask.add_argument(
+        "--abstain-threshold",
+        type=probability,
+        default=None,
+        help="reply 'The documents do not say.' when the answerability probe's P(no) reaches this",
+    )
     ask.add_argument("--json", action="store_true", help="print the result with its trace as JSON")
     ask.set_defaults(handler=_ask)
 

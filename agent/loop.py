@@ -15,13 +15,13 @@ whole result) and ``error``. A run leaves one trace (``agent/trace.py``).
 from __future__ import annotations
 
 import logging
-import re
 import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from agent.answerability import ABSTENTION, AnswerTokens, NextTokenLogits, p_unanswerable, probe_messages
 from agent.prompt import (
     DEFAULT_SYSTEM,
     PromptParts,
@@ -30,6 +30,7 @@ from agent.prompt import (
     format_passage,
     passage_label,
 )
+from agent.results import ShownPassage, resolve_citations, speculation_summary
 from agent.stream import IncrementalDecoder
 from agent.trace import SpeculationCycle, Trace, Tracer
 from decoding.request import GenerationEvent, GenerationRequest
@@ -49,7 +50,6 @@ from tools import (
 logger = logging.getLogger(__name__)
 Generate = Callable[[GenerationRequest], Iterator[GenerationEvent]]
 AgentEvent = dict[str, Any]  # {"event": name, "data": {...}}
-_CITATION = re.compile(r"\[P(\d+)\]")
 SEARCH_TOOL = "search_documents"
 
 
@@ -64,14 +64,14 @@ class RunOptions:
     top_p: float = 1.0
     seed: int | None = None
     tools: Sequence[str] | None = None  # names the model may call; None: default_tools(registered)
+    # Reply ABSTENTION without generating when the answerability probe's P(no) reaches this
+    # (agent/answerability.py); None: no gate. measure_answerability runs the probe ungated.
+    abstain_threshold: float | None = None
+    measure_answerability: bool = False
 
-
-@dataclass(frozen=True)
-class ShownPassage:
-    label: str  # "P3"
-    id: str
-    source: str
-    text: str
+    def __post_init__(self) -> None:
+        if self.abstain_threshold is not None and not 0.0 <= self.abstain_threshold <= 1.0:
+            raise ValueError(f"abstain_threshold must be within [0, 1], not {self.abstain_threshold}")
 
 
 @dataclass
@@ -86,6 +86,7 @@ class _Run:
     steps: list[dict[str, Any]] = field(default_factory=list)
     messages: list[dict[str, str]] = field(default_factory=list)  # this turn's tool calls and results
     stats: list[GenerationStats] = field(default_factory=list)
+    answerability: dict[str, Any] | None = None
 
 
 class AgentLoop:
@@ -111,6 +112,7 @@ class AgentLoop:
         self.model_name = model_name
         self.system = system
         self.tracer = tracer or Tracer()
+        self._answer_tokens: AnswerTokens | None = None
 
     def run(self, question: str, options: RunOptions | None = None) -> dict[str, Any]:
         """The whole run; the same structure as ``POST /v1/agent/runs``."""
@@ -130,19 +132,14 @@ class AgentLoop:
         try:
             if self.retriever is not None:
                 run.prompt_passages = self._retrieve(run, question, options.lookup_k)
-            answer = ""
-            for step in range(options.max_steps):
-                tool_names = self._allowed_tools(options) if step < options.max_steps - 1 else []
-                text, stats = yield from self._generate_step(run, step, tool_names)
-                call = self._parse_call(text) if tool_names else None
-                if call is None:
-                    answer = text.strip()
-                    run.steps.append(self._step_record(step, "answer", stats))
-                    break
-                yield {"event": "tool_call", "data": {"step": step, "name": call.name, "arguments": call.arguments}}
-                result = self._execute(run, call, text)
-                run.steps.append(self._step_record(step, "tool_call", stats, call, result))
-                yield {"event": "tool_result", "data": {"step": step, **self._result_dict(result)}}
+            if run.prompt_passages and (options.abstain_threshold is not None or options.measure_answerability):
+                run.answerability = self._probe(run)
+            if run.answerability is not None and run.answerability["abstained"]:
+                answer = ABSTENTION
+                run.steps.append({"index": 0, "kind": "abstain", "answerability": run.answerability})
+                yield {"event": "token", "data": {"step": 0, "text": answer}}
+            else:
+                answer = yield from self._steps(run)
             result = self._result(run, answer)
             trace.root.set_attribute("output_tokens", result["usage"]["completion_tokens"])
             trace.finish()
@@ -152,6 +149,22 @@ class AgentLoop:
             trace.root.record_exception(error)
             trace.finish()
             yield {"event": "error", "data": {"type": type(error).__name__, "message": str(error)}}
+
+    def _steps(self, run: _Run) -> Iterator[AgentEvent] | Any:  # a generator returning the answer
+        """Generate, run the tool called, repeat, until the model answers in text."""
+        options = run.options
+        for step in range(options.max_steps):
+            tool_names = self._allowed_tools(options) if step < options.max_steps - 1 else []
+            text, stats = yield from self._generate_step(run, step, tool_names)
+            call = self._parse_call(text) if tool_names else None
+            if call is None:
+                run.steps.append(self._step_record(step, "answer", stats))
+                return text.strip()
+            yield {"event": "tool_call", "data": {"step": step, "name": call.name, "arguments": call.arguments}}
+            result = self._execute(run, call, text)
+            run.steps.append(self._step_record(step, "tool_call", stats, call, result))
+            yield {"event": "tool_result", "data": {"step": step, **self._result_dict(result)}}
+        return ""
 
     # -- stages ------------------------------------------------------------------------
 
@@ -187,16 +200,7 @@ class AgentLoop:
         self, run: _Run, step: int, tool_names: list[str]
     ) -> Iterator[AgentEvent] | Any:  # a generator returning (text, stats)
         with run.trace.span("prompt_build") as span:
-            parts = PromptParts(
-                run.question,
-                system=self.system,
-                tool_schemas=[self.registry.get(name).openai_schema() for name in tool_names],
-                # Passages found later by search_documents reach the model in its tool result,
-                # not here: re-rendering the first message would break the cached prefix.
-                passages=run.prompt_passages,
-                steps=run.messages,
-            )
-            prompt = encode_messages(self.tokenizer, build_messages(parts))
+            prompt = encode_messages(self.tokenizer, build_messages(self._parts(run, tool_names)))
             span.set_attribute("prompt_tokens", len(prompt))
             # Compiled here (cached after the first time): part of building the request.
             grammar = self.grammar_for(self.registry, tool_names) if tool_names else None
@@ -229,6 +233,43 @@ class AgentLoop:
             self._record_chat(run.trace, chat, cycles, stats)
         run.stats.append(stats)
         return decoder.finish(), stats
+
+    def _probe(self, run: _Run) -> dict[str, Any]:
+        """P(no) of the answerability probe over the first step's prompt, and the gate's verdict."""
+        options = run.options
+        tool_names = self._allowed_tools(options) if options.max_steps > 1 else []
+        with run.trace.span("answerability") as span:
+            prompt = encode_messages(self.tokenizer, probe_messages(self._parts(run, tool_names)))
+            capture = NextTokenLogits()
+            request = GenerationRequest(prompt, max_tokens=1, speculation="off", logits_processors=[capture])
+            stats = None
+            for event in self.generate(request):
+                stats = event.stats or stats
+            assert capture.logits is not None
+            if self._answer_tokens is None:
+                self._answer_tokens = AnswerTokens.of(self.tokenizer)
+            probability = p_unanswerable(capture.logits, self._answer_tokens)
+            threshold = options.abstain_threshold
+            record = {
+                "p_unanswerable": probability,
+                "threshold": threshold,
+                "abstained": threshold is not None and probability >= threshold,
+                "prompt_tokens": len(prompt),
+                "cached_prompt_tokens": stats.cached_prompt_tokens if stats is not None else 0,
+            }
+            span.set_attributes(record)
+        return record
+
+    def _parts(self, run: _Run, tool_names: list[str]) -> PromptParts:
+        return PromptParts(
+            run.question,
+            system=self.system,
+            tool_schemas=[self.registry.get(name).openai_schema() for name in tool_names],
+            # Passages found later by search_documents reach the model in its tool result,
+            # not here: re-rendering the first message would break the cached prefix.
+            passages=run.prompt_passages,
+            steps=run.messages,
+        )
 
     def _record_chat(self, trace: Trace, chat: Any, cycles: list[tuple[Any, int]], stats: GenerationStats) -> None:
         chat.set_attributes(
@@ -333,6 +374,7 @@ class AgentLoop:
                 "total_tokens": prompt_tokens + completion_tokens,
             },
             "speculation": speculation_summary(run.stats),
+            "answerability": run.answerability,
             "trace_id": run.trace.trace_id,
         }
 
@@ -343,42 +385,3 @@ def default_tools(registered: Sequence[str]) -> list[str]:
     the small models here (qwen2.5-coder-0.5b, smollm2) called it with placeholder queries
     instead of answering. A run that names ``search_documents`` in ``tools`` gets it."""
     return [name for name in registered if name != SEARCH_TOOL]
-
-
-def resolve_citations(answer: str, shown: Sequence[ShownPassage]) -> tuple[list[dict[str, str]], int]:
-    """``[Pn]`` markers in order of first use, resolved to shown passages; unknown ones dropped."""
-    by_label = {passage.label: passage for passage in shown}
-    citations, seen, dropped = [], set(), 0
-    for match in _CITATION.finditer(answer):
-        label = f"P{match.group(1)}"
-        if label not in by_label:
-            dropped += 1
-        elif label not in seen:
-            seen.add(label)
-            passage = by_label[label]
-            citations.append({"label": label, "passage_id": passage.id, "source": passage.source, "text": passage.text})
-    return citations, dropped
-
-
-def speculation_summary(all_stats: Sequence[GenerationStats]) -> dict[str, Any]:
-    """Speculation counters summed over steps: did it run, why not, and what it bought."""
-    drafted = sum(stats.drafted_tokens for stats in all_stats)
-    accepted = sum(stats.accepted_tokens for stats in all_stats)
-    calls = sum(stats.target_calls for stats in all_stats)
-    output = sum(stats.output_tokens for stats in all_stats)
-    reasons: dict[str, int] = {}
-    by_source: dict[str, int] = {}
-    for stats in all_stats:
-        for reason, count in stats.speculation_off_reasons.items():
-            reasons[reason] = reasons.get(reason, 0) + count
-        for source, count in stats.accepted_by_source.items():
-            by_source[source] = by_source.get(source, 0) + count
-    return {
-        "ran": drafted > 0,
-        "drafted_tokens": drafted,
-        "accepted_tokens": accepted,
-        "target_calls": calls,
-        "committed_per_call": output / calls if calls else 0.0,
-        "off_reasons": reasons,
-        "accepted_by_source": by_source,
-    }

@@ -30,9 +30,9 @@ from typing import Any
 
 from agent.api_models import ChatCompletionRequest, ServerLimits, ToolDefinition
 from agent.errors import ApiError, invalid
-from agent.loop import speculation_summary
 from agent.metrics import ServerMetrics
 from agent.prompt import PromptParts, encode_messages, system_message
+from agent.results import speculation_summary
 from agent.stream import IncrementalDecoder
 from decoding.grammar import Grammar
 from decoding.grammar_compile import UnsupportedSchemaError, check_schema

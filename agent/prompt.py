@@ -21,6 +21,19 @@ DEFAULT_SYSTEM = (
     "You are a precise assistant. Answer from the passages only and cite each passage you use as [P1], [P2]. "
     "If the passages do not contain the answer, say that it is not in the documents."
 )
+# Opt-in (Agent(system=CITING_SYSTEM), eval --system citing). Under DEFAULT_SYSTEM
+# qwen2.5-coder-1.5b cited 8 times in 20 answers and 0.5b once in 71. With this prompt's
+# example answer 1.5B put a [Pn] in 22 of 43 non-refusing answers over the 71 eval questions,
+# but only 9 of the 18 scored citations supported their sentence; on 0.5B it cost
+# groundedness (0.711 -> 0.597) and both models once answered with the example itself
+# (evals/reports/groundedness_qwen1.5b, groundedness_qwen0.5b_citing). So it is not the default.
+CITING_SYSTEM = (
+    "You are a precise assistant. Answer from the passages only. After each sentence, cite the passage it comes "
+    "from, like [P2]. If the passages do not contain the answer, say that it is not in the documents.\n\n"
+    "Example answer: The pass statement does nothing when it is executed [P2]. It is useful as a placeholder "
+    "where a statement is required syntactically [P2]."
+)
+SYSTEM_PROMPTS = {"default": DEFAULT_SYSTEM, "citing": CITING_SYSTEM}
 
 
 class PassageLike(Protocol):

@@ -239,6 +239,7 @@ def _run_options(agent: Any, body: AgentRunRequest, limits: ServerLimits) -> dic
         "top_p": body.top_p,
         "seed": body.seed,
         "tools": list(tools),
+        "abstain_threshold": body.abstain_threshold,
     }
 
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from evals import text_match as tm
+from evals.abstention import auroc
 from evals.groundedness import GroundednessScorer, citation_scores
 
 DECODE_STAGES = ("draft", "verify", "accept", "grammar", "rollback")
@@ -20,9 +21,10 @@ INVALID_CALL_ERRORS = frozenset({"invalid_arguments", "unknown_tool"})
 
 
 def trace_stages(trace: Mapping[str, Any] | None) -> dict[str, float]:
-    """Seconds per stage of one run: retrieve, prompt, prefill, decode, tool, and the decode
-    cycles' draft/verify/accept/grammar/rollback, plus the run's wall time."""
-    out = dict.fromkeys(("retrieve", "prompt", "prefill", "decode", "tool", *DECODE_STAGES, "wall"), 0.0)
+    """Seconds per stage of one run: retrieve, answerability (the probe), prompt, prefill, decode,
+    tool, and the decode cycles' draft/verify/accept/grammar/rollback, plus the run's wall time."""
+    stages = ("retrieve", "answerability", "prompt", "prefill", "decode", "tool", *DECODE_STAGES, "wall")
+    out = dict.fromkeys(stages, 0.0)
     if trace is None:
         return out
     for span in trace["spans"]:
@@ -44,7 +46,9 @@ def _stage_of(name: str, is_root: bool) -> str | None:
         return "retrieve"
     if name.startswith("execute_tool"):
         return "tool"
-    return {"prompt_build": "prompt", "prefill": "prefill", "decode": "decode"}.get(name)
+    return {"prompt_build": "prompt", "prefill": "prefill", "decode": "decode", "answerability": "answerability"}.get(
+        name
+    )
 
 
 def accepted_lengths(trace: Mapping[str, Any] | None) -> list[int]:
@@ -108,6 +112,8 @@ def record(
         "target_calls": speculation["target_calls"],
         "speculation_ran": speculation["ran"],
         "off_reasons": speculation["off_reasons"],
+        "p_unanswerable": (result.get("answerability") or {}).get("p_unanswerable"),
+        "gated_abstention": bool((result.get("answerability") or {}).get("abstained")),
     }
     return {**base, **answer_scores(base, scorer)}
 
@@ -168,6 +174,8 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "exact_match": _mean([float(r["exact_match"]) for r in answerable]),
         "unanswerable_abstained": _mean([float(r["abstained"]) for r in unanswerable]),
         "answerable_abstained": _mean([float(r["abstained"]) for r in answerable]),
+        "gated_abstentions": sum(1 for r in records if r.get("gated_abstention")),
+        "answerability_auroc": auroc(records),  # of the probe's P(no), when it ran
         "retrieval_recall": _mean([r["retrieval_recall"] for r in answerable]),
         "tool_calls": calls,
         "tool_call_validity": _ratio(sum(r["valid_tool_calls"] for r in records), calls),

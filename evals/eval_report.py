@@ -24,6 +24,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         "",
         f"model `{config['model']}`, draft `{config['draft']}`, speculation `{config['speculation']}`, "
         f"k {config['k']}, max steps {config['max_steps']}, max tokens {config['max_tokens']}, "
+        f"system prompt `{config.get('system', 'not recorded')}`, abstain threshold {config.get('abstain_threshold')}, "
         f"{summary['questions']} questions from `{config['dataset']}`; {config['machine']}.",
         "",
         f"Command: `{report['command']}`",
@@ -42,6 +43,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         ("exact match (answerable)", _fmt(summary["exact_match"])),
         ("unanswerable answered 'not in the documents'", _fmt(summary["unanswerable_abstained"], True)),
         ("answerable wrongly refused", _fmt(summary["answerable_abstained"], True)),
+        ("abstentions by the answerability gate", str(summary.get("gated_abstentions", 0))),
+        ("answerability probe AUROC (unanswerable vs answerable)", _fmt(summary.get("answerability_auroc"))),
         (f"retrieval recall@{config['k']} of supporting passages", _fmt(summary["retrieval_recall"])),
         ("tool calls / validity", f"{summary['tool_calls']} / {_fmt(summary['tool_call_validity'])}"),
         ("committed tokens per target call", _fmt(summary["committed_per_target_call"])),

@@ -235,6 +235,34 @@ MUTATIONS = (
         "precise += 1",
         ("tests/test_groundedness.py",),
     ),
+    Mutation(
+        "answerability_uses_p_yes",
+        "agent/answerability.py",
+        "return float(torch.sigmoid(log_no - log_yes))",
+        "return float(torch.sigmoid(log_yes - log_no))",
+        ("tests/test_answerability.py",),
+    ),
+    Mutation(
+        "answerability_gate_never_abstains",
+        "agent/loop.py",
+        '"abstained": threshold is not None and probability >= threshold,',
+        '"abstained": False,',
+        ("tests/test_answerability.py",),
+    ),
+    Mutation(
+        "abstention_threshold_ties_refuse_more",
+        "evals/abstention.py",
+        "        if j > best_j:",
+        "        if j >= best_j:",
+        ("tests/test_abstention_sweep.py",),
+    ),
+    Mutation(
+        "citation_after_full_stop_split_off",
+        "evals/text_match.py",
+        r"""\s+(?!\[P\d+\])(?=""",
+        r"""\s+(?=""",
+        ("tests/test_text_match.py",),
+    ),
 )
 
 

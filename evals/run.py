@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from agent.cli import probability
+from evals.abstention import split
 from evals.eval_metrics import answer_scores, compare_passes, record, summarize
 from evals.eval_report import render_markdown, write_plots
 from evals.groundedness import GroundednessScorer
@@ -82,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", default=None, help="draft model (pack, folder, .gguf), same vocabulary")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--index", default=None, help="index directory (default: the sample corpus, built once)")
+    parser.add_argument(
+        "--system", choices=["default", "citing"], default="default", help="system prompt (agent.prompt.SYSTEM_PROMPTS)"
+    )
     parser.add_argument("--speculation", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("-k", type=int, default=5, help="passages shown in the prompt")
     parser.add_argument("--max-steps", type=int, default=4)
@@ -92,6 +97,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="one question per kind (5)")
     parser.add_argument("--limit", type=int, default=None, help="only the first N questions")
     parser.add_argument("--per-kind", type=int, default=None, help="only the first N questions of each kind")
+    parser.add_argument(
+        "--split", choices=["all", "dev", "held_out"], default="all", help="dev: odd ids, held_out: even ids"
+    )
+    parser.add_argument(
+        "--abstain-threshold",
+        type=probability,
+        default=None,
+        help="abstain when the answerability probe's P(no) reaches this (agent/answerability.py)",
+    )
+    parser.add_argument(
+        "--measure-answerability", action="store_true", help="record the probe's P(no) without gating on it"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the summary (and on/off comparison) as JSON")
@@ -113,6 +130,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     except (OSError, DatasetError) as error:
         print(f"eval groundedness: {error}", file=sys.stderr)
         return 2
+    items = split(items, args.split)
     items = quick_subset(items) if args.quick else items
     items = per_kind(items, args.per_kind) if args.per_kind else items
     items = items[: args.limit] if args.limit else items
@@ -167,10 +185,12 @@ def _rescore(args: argparse.Namespace, command: str) -> int:
 
 def _agent(args: argparse.Namespace) -> Any:
     from agent.cli import ensure_sample_index
+    from agent.prompt import SYSTEM_PROMPTS
     from agent.runtime import Agent
 
     index = args.index or ensure_sample_index(args.model, progress=not args.no_progress)
-    return Agent(index=index, model=args.model, draft=args.draft, dtype=args.dtype)
+    system = SYSTEM_PROMPTS[args.system]
+    return Agent(index=index, model=args.model, draft=args.draft, dtype=args.dtype, system=system)
 
 
 def _run_all(
@@ -179,7 +199,14 @@ def _run_all(
     from tqdm import tqdm
 
     scorer = GroundednessScorer()
-    options = {"k": args.k, "max_steps": args.max_steps, "max_tokens": args.max_tokens, "tools": args.tools}
+    options = {
+        "k": args.k,
+        "max_steps": args.max_steps,
+        "max_tokens": args.max_tokens,
+        "tools": args.tools,
+        "abstain_threshold": args.abstain_threshold,
+        "measure_answerability": args.measure_answerability,
+    }
     on: list[dict[str, Any]] = []
     off: list[dict[str, Any]] = []
     bar = tqdm(items, desc="eval groundedness", unit="q", disable=args.no_progress, file=sys.stderr)
@@ -208,6 +235,7 @@ def _report(
         "model": args.model,
         "draft": args.draft,
         "dtype": args.dtype,
+        "system": args.system,
         "speculation": args.speculation,
         "k": args.k,
         "max_steps": args.max_steps,
@@ -215,6 +243,9 @@ def _report(
         "tools": args.tools,
         "dataset": _shown_path(args.dataset),
         "quick": args.quick,
+        "split": args.split,
+        "abstain_threshold": args.abstain_threshold,
+        "measure_answerability": args.measure_answerability,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip()
         + f", {torch.get_num_threads()} torch threads, cuda {torch.cuda.is_available()}",
         "elapsed_s": round(elapsed, 1),

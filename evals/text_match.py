@@ -17,7 +17,9 @@ CITATION = re.compile(r"\[P(\d+)\]")
 _CITATIONS_AFTER = r"(?:\s*\[P\d+\](?:\s*,\s*\[P\d+\])*)*"
 _ABBREVIATIONS = ("e.g.", "i.e.", "etc.", "vs.", "cf.", "Fig.", "approx.")
 # A sentence may start in lower case: answers about code begin sentences with keywords ("break ends ...").
-_SENTENCE_END = re.compile(r"(?<=[.!?])" + _CITATIONS_AFTER + r"\s+(?=[\"'`(\[A-Za-z0-9*_-])")
+# A marker after the full stop belongs to the sentence before it ("... a condition. [P2]"), so
+# no sentence starts with one.
+_SENTENCE_END = re.compile(r"(?<=[.!?])(" + _CITATIONS_AFTER + r")\s+(?!\[P\d+\])(?=[\"'`(\[A-Za-z0-9*_-])")
 _FENCE = re.compile(r"```.*?(?:```|\Z)", re.S)
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|\d+(?:\.\d+)?")
 
@@ -109,8 +111,18 @@ def _split_prose(text: str) -> list[str]:
         protected = protected.replace(abbreviation, abbreviation.replace(".", "\0"))
     out: list[str] = []
     for line in re.split(r"\n\s*(?:[-*•]|\d+[.)])?\s*", protected):
-        out.extend(part.replace("\0", ".").strip() for part in _SENTENCE_END.split(line))
+        out.extend(part.replace("\0", ".").strip() for part in _split_at_sentence_ends(line))
     return [sentence for sentence in out if sentence]
+
+
+def _split_at_sentence_ends(line: str) -> list[str]:
+    """Cut after each sentence end and the citation markers that follow it."""
+    parts, start = [], 0
+    for end in _SENTENCE_END.finditer(line):
+        parts.append(line[start : end.end(1)])
+        start = end.end()
+    parts.append(line[start:])
+    return parts
 
 
 def split_passage_sentences(text: str) -> list[str]:
@@ -123,7 +135,7 @@ def split_passage_sentences(text: str) -> list[str]:
     for block in re.split(r"\n\s*\n", text):
         joined = " ".join(block.split())
         if joined and _is_prose(block, joined):
-            out.extend(part for part in _SENTENCE_END.split(joined) if part)
+            out.extend(part for part in _split_at_sentence_ends(joined) if part)
     return out
 
 
@@ -139,7 +151,7 @@ def clauses(sentence: str) -> list[str]:
 
 def split_prose_block(text: str) -> list[str]:
     """Sentences of one paragraph whose lines are already joined."""
-    return [part for part in _SENTENCE_END.split(text) if part]
+    return [part for part in _split_at_sentence_ends(text) if part]
 
 
 def _is_prose(block: str, joined: str) -> bool:

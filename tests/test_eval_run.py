@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from agent.cli import main as cli_main
+from evals.abstention import main as abstention_main
 from evals.run import DEFAULT_DATASET, KINDS, DatasetError, gate, load_dataset, quick_subset
 from evals.text_match import whitespace_normalized
 from retrieval import load_sample_corpus
@@ -62,6 +63,7 @@ def test_quick_eval_end_to_end(tmp_path_factory: pytest.TempPathFactory, capsys:
     out = tmp_path_factory.mktemp("eval")
     args = ["eval", "groundedness", "--quick", "--model", "smollm2-135m", "--index", str(index)]
     args += ["--out", str(out), "--max-tokens", "48", "--compare-off", "--no-progress", "--min-groundedness", "1.01"]
+    args += ["--measure-answerability"]
     assert cli_main(args) == 1  # groundedness ≤ 1 < 1.01: the CI gate fails, after writing the report
     assert "below --min-groundedness 1.01" in capsys.readouterr().err
 
@@ -75,6 +77,7 @@ def test_quick_eval_end_to_end(tmp_path_factory: pytest.TempPathFactory, capsys:
     compare = report["compare_off"]
     assert compare["identical_answers"] == compare["questions"] == 5, compare["different_ids"]  # greedy: exact
     for record in report["records"]:
+        assert 0.0 < record["p_unanswerable"] < 1.0 and not record["gated_abstention"]  # measured, not gated
         assert record["passages"] and all(p["label"].startswith("P") for p in record["passages"])
         for sentence in record["sentences"]:
             assert sentence["supported"] in (True, False, None) and sentence["reason"]
@@ -82,6 +85,10 @@ def test_quick_eval_end_to_end(tmp_path_factory: pytest.TempPathFactory, capsys:
     assert "Greedy answers identical: **5 of 5**" in markdown and "| groundedness (mean per answer) |" in markdown
     for plot in ("score_distribution.png", "per_kind.png", "stage_latency.png", "accepted_length.png"):
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    capsys.readouterr()
+    assert abstention_main([str(out / "report.json")]) == 0
+    assert set(json.loads(capsys.readouterr().out)["auroc"]) == {"dev", "held_out", "all"}
 
     rescored = tmp_path_factory.mktemp("rescored")
     rescore = ["eval", "groundedness", "--rescore", str(out / "report.json"), "--out", str(rescored)]
@@ -91,3 +98,10 @@ def test_quick_eval_end_to_end(tmp_path_factory: pytest.TempPathFactory, capsys:
     again = json.loads((rescored / "report.json").read_text(encoding="utf-8"))
     assert again["summary"]["groundedness"] == summary["groundedness"] == printed["summary"]["groundedness"]
     assert again["compare_off"]["identical_answers"] == 5
+
+
+def test_a_threshold_outside_zero_to_one_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["eval", "groundedness", "--out", "x", "--abstain-threshold", "1.5"])
+    assert exit_info.value.code == 2
+    assert "--abstain-threshold: must be within [0, 1], not 1.5" in capsys.readouterr().err

@@ -72,6 +72,14 @@ def test_an_agent_run_answers_with_citations_usage_and_a_trace(client: TestClien
     assert_error(client.get("/v1/traces/0123456789abcdef/view"), 404, "trace_id")
 
 
+def test_a_run_with_an_abstain_threshold_of_zero_abstains_without_generating(client: TestClient[Any]) -> None:
+    response = client.post("/v1/agent/runs", json=run_body(abstain_threshold=0.0))
+    assert response.status_code == 200, response.text
+    result = response.json()
+    assert result["answer"] == "The documents do not say." and result["answerability"]["abstained"]
+    assert result["usage"]["completion_tokens"] == 0 and result["steps"][0]["kind"] == "abstain"
+
+
 def test_a_streamed_run_sends_token_events_then_the_final_result(client: TestClient[Any]) -> None:
     response = client.post("/v1/agent/runs", json=run_body(stream=True))
     assert response.status_code == 200

@@ -54,6 +54,7 @@ def chat(**fields: Any) -> dict[str, Any]:
         (RUNS, {"question": "q", "max_steps": 9}, 400, "max_steps"),
         (RUNS, {"question": "q", "temperature": -1}, 400, "temperature"),
         (RUNS, {"question": "q", "speculation": "sometimes"}, 400, "speculation"),
+        (RUNS, {"question": "q", "abstain_threshold": 1.5}, 400, "abstain_threshold"),
         (RUNS, {"question": "q", "tools": ["no_such_tool"]}, 400, "tools"),
         (RUNS, {"question": "q", "surprise": 1}, 400, "surprise"),
         (RUNS, {"question": "word " * 200}, 400, "question"),

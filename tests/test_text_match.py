@@ -17,6 +17,8 @@ def test_sentences_keep_their_citations_and_code_blocks() -> None:
         "```py\nx = 1. y\n```",
         "a list item",
     ]
+    assert tm.split_sentences("One claim. Another claim. [P2]") == ["One claim.", "Another claim. [P2]"]
+    assert tm.split_sentences("One claim. [P1] [P2] Next one.") == ["One claim. [P1] [P2]", "Next one."]
     assert tm.cited_labels("x [P2] y [P1] z [P2]") == ["P2", "P1"]
 
 

@@ -1,0 +1,59 @@
+"""Parts of a run's result: citations resolved to the passages shown, speculation summed over steps."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from decoding.stats import GenerationStats
+
+_CITATION = re.compile(r"\[P(\d+)\]")
+
+
+@dataclass(frozen=True)
+class ShownPassage:
+    label: str  # "P3"
+    id: str
+    source: str
+    text: str
+
+
+def resolve_citations(answer: str, shown: Sequence[ShownPassage]) -> tuple[list[dict[str, str]], int]:
+    """``[Pn]`` markers in order of first use, resolved to shown passages; unknown ones dropped."""
+    by_label = {passage.label: passage for passage in shown}
+    citations, seen, dropped = [], set(), 0
+    for match in _CITATION.finditer(answer):
+        label = f"P{match.group(1)}"
+        if label not in by_label:
+            dropped += 1
+        elif label not in seen:
+            seen.add(label)
+            passage = by_label[label]
+            citations.append({"label": label, "passage_id": passage.id, "source": passage.source, "text": passage.text})
+    return citations, dropped
+
+
+def speculation_summary(all_stats: Sequence[GenerationStats]) -> dict[str, Any]:
+    """Speculation counters summed over steps: did it run, why not, and what it bought."""
+    drafted = sum(stats.drafted_tokens for stats in all_stats)
+    accepted = sum(stats.accepted_tokens for stats in all_stats)
+    calls = sum(stats.target_calls for stats in all_stats)
+    output = sum(stats.output_tokens for stats in all_stats)
+    reasons: dict[str, int] = {}
+    by_source: dict[str, int] = {}
+    for stats in all_stats:
+        for reason, count in stats.speculation_off_reasons.items():
+            reasons[reason] = reasons.get(reason, 0) + count
+        for source, count in stats.accepted_by_source.items():
+            by_source[source] = by_source.get(source, 0) + count
+    return {
+        "ran": drafted > 0,
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
+        "target_calls": calls,
+        "committed_per_call": output / calls if calls else 0.0,
+        "off_reasons": reasons,
+        "accepted_by_source": by_source,
+    }
