@@ -6,6 +6,9 @@ citable as the next ``[Pn]``). The output is generated under the tool-choice gra
 is either a valid call to a registered tool or plain text; plain text is the final answer.
 The last allowed step is generated without tools, so a run always ends with an answer.
 
+With ``abstain_threshold`` set, an answerability probe runs first (``agent/answerability.py``)
+and a run it judges unanswerable replies ``ABSTENTION`` without generating.
+
 Every retrieved passage of the run goes to the prompt-lookup drafter as a source of its
 own, the ones that did not fit in the prompt too. The stream of events is the API's shape:
 ``token`` (answer text as it is decoded), ``tool_call``, ``tool_result``, ``final`` (the
