@@ -48,6 +48,11 @@ class AgentRunRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         ]
         | None
     ) = None
+    # "attribute": each answer sentence re-cites the shown passage closest in meaning (agent/attribution.py)
+    citations: Literal["model", "attribute"] = "model"
+    citation_min_similarity: (
+        Annotated[float, msgspec.Meta(ge=0.0, le=1.0, description="cosine a sentence needs to cite a passage")] | None
+    ) = None
 
 
 class FunctionCall(msgspec.Struct, kw_only=True):

@@ -181,6 +181,7 @@ def _ask(args: argparse.Namespace) -> int:
         options["max_steps"] = args.max_steps
     if args.abstain_threshold is not None:
         options["abstain_threshold"] = args.abstain_threshold
+    options["citations"] = args.citations
     result = agent.run(args.question, **options)
     trace = agent.trace(result["trace_id"])
     if args.json:
@@ -242,6 +243,12 @@ def _add_agent_commands(commands: Any) -> None:
         type=probability,
         default=None,
         help="reply 'The documents do not say.' when the answerability probe's P(no) reaches this",
+    )
+    ask.add_argument(
+        "--citations",
+        choices=["model", "attribute"],
+        default="model",
+        help="attribute: each answer sentence cites the shown passage closest in meaning (agent/attribution.py)",
     )
     ask.add_argument("--json", action="store_true", help="print the result with its trace as JSON")
     ask.set_defaults(handler=_ask)

@@ -25,15 +25,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agent.answerability import ABSTENTION, AnswerTokens, NextTokenLogits, p_unanswerable, probe_messages
-from agent.prompt import (
-    DEFAULT_SYSTEM,
-    PromptParts,
-    build_messages,
-    encode_messages,
-    format_passage,
-    passage_label,
-)
-from agent.results import ShownPassage, resolve_citations, speculation_summary
+from agent.attribution import DEFAULT_MIN_SIMILARITY, Attributor, attribution_record
+from agent.prompt import DEFAULT_SYSTEM, PromptParts, build_messages, encode_messages, format_passage, passage_label
+from agent.results import ShownPassage, resolve_citations, speculation_summary, step_record, tool_result_dict
 from agent.stream import IncrementalDecoder
 from agent.trace import SpeculationCycle, Trace, Tracer
 from decoding.request import GenerationEvent, GenerationRequest
@@ -54,6 +48,7 @@ logger = logging.getLogger(__name__)
 Generate = Callable[[GenerationRequest], Iterator[GenerationEvent]]
 AgentEvent = dict[str, Any]  # {"event": name, "data": {...}}
 SEARCH_TOOL = "search_documents"
+CITATION_MODES = ("model", "attribute")
 
 
 @dataclass(frozen=True)
@@ -71,10 +66,19 @@ class RunOptions:
     # (agent/answerability.py); None: no gate. measure_answerability runs the probe ungated.
     abstain_threshold: float | None = None
     measure_answerability: bool = False
+    # "attribute": the final answer's [Pn] markers are replaced by post-hoc ones, each sentence
+    # citing the shown passage closest in meaning when the cosine reaches citation_min_similarity
+    # (agent/attribution.py); "model": the markers the model wrote.
+    citations: str = "model"
+    citation_min_similarity: float = DEFAULT_MIN_SIMILARITY
 
     def __post_init__(self) -> None:
         if self.abstain_threshold is not None and not 0.0 <= self.abstain_threshold <= 1.0:
             raise ValueError(f"abstain_threshold must be within [0, 1], not {self.abstain_threshold}")
+        if self.citations not in CITATION_MODES:
+            raise ValueError(f"citations must be one of {', '.join(CITATION_MODES)}, not {self.citations!r}")
+        if not 0.0 <= self.citation_min_similarity <= 1.0:
+            raise ValueError(f"citation_min_similarity must be within [0, 1], not {self.citation_min_similarity}")
 
 
 @dataclass
@@ -90,6 +94,7 @@ class _Run:
     messages: list[dict[str, str]] = field(default_factory=list)  # this turn's tool calls and results
     stats: list[GenerationStats] = field(default_factory=list)
     answerability: dict[str, Any] | None = None
+    attribution: dict[str, Any] | None = None
 
 
 class AgentLoop:
@@ -116,6 +121,7 @@ class AgentLoop:
         self.system = system
         self.tracer = tracer or Tracer()
         self._answer_tokens: AnswerTokens | None = None
+        self._attributor: Attributor | None = None
 
     def run(self, question: str, options: RunOptions | None = None) -> dict[str, Any]:
         """The whole run; the same structure as ``POST /v1/agent/runs``."""
@@ -143,6 +149,8 @@ class AgentLoop:
                 yield {"event": "token", "data": {"step": 0, "text": answer}}
             else:
                 answer = yield from self._steps(run)
+                if options.citations == "attribute" and run.shown and self.retriever is not None:
+                    answer = self._attribute(run, answer)
             result = self._result(run, answer)
             trace.root.set_attribute("output_tokens", result["usage"]["completion_tokens"])
             trace.finish()
@@ -161,12 +169,12 @@ class AgentLoop:
             text, stats = yield from self._generate_step(run, step, tool_names)
             call = self._parse_call(text) if tool_names else None
             if call is None:
-                run.steps.append(self._step_record(step, "answer", stats))
+                run.steps.append(step_record(step, "answer", stats))
                 return text.strip()
             yield {"event": "tool_call", "data": {"step": step, "name": call.name, "arguments": call.arguments}}
             result = self._execute(run, call, text)
-            run.steps.append(self._step_record(step, "tool_call", stats, call, result))
-            yield {"event": "tool_result", "data": {"step": step, **self._result_dict(result)}}
+            run.steps.append(step_record(step, "tool_call", stats, call, result))
+            yield {"event": "tool_result", "data": {"step": step, **tool_result_dict(result)}}
         return ""
 
     # -- stages ------------------------------------------------------------------------
@@ -263,6 +271,17 @@ class AgentLoop:
             span.set_attributes(record)
         return record
 
+    def _attribute(self, run: _Run, answer: str) -> str:
+        """The answer citing by post-hoc attribution; the model's own text is kept in the result."""
+        threshold = run.options.citation_min_similarity
+        with run.trace.span("attribute", {"min_similarity": threshold}) as span:
+            if self._attributor is None:
+                self._attributor = Attributor(self.retriever.embedder)
+            attributed, choices = self._attributor.attribute(answer, run.shown, threshold)
+            run.attribution = attribution_record(threshold, answer, choices)
+            span.set_attribute("cited_sentences", sum(choice.label is not None for choice in choices))
+        return attributed
+
     def _parts(self, run: _Run, tool_names: list[str]) -> PromptParts:
         return PromptParts(
             run.question,
@@ -335,30 +354,6 @@ class AgentLoop:
         except ValueError:
             return None  # a call cut short by max_tokens is not a call: it ends as text
 
-    @staticmethod
-    def _result_dict(result: ToolResult) -> dict[str, Any]:
-        return {
-            "name": result.name,
-            "ok": result.ok,
-            "content": result.content,
-            "error": asdict(result.error) if result.error else None,
-        }
-
-    def _step_record(
-        self,
-        step: int,
-        kind: str,
-        stats: GenerationStats,
-        call: ToolCall | None = None,
-        result: ToolResult | None = None,
-    ) -> dict[str, Any]:
-        record: dict[str, Any] = {"index": step, "kind": kind, "speculation": speculation_summary([stats])}
-        if call is not None:
-            record["tool_call"] = {"name": call.name, "arguments": call.arguments}
-        if result is not None:
-            record["tool_result"] = self._result_dict(result)
-        return record
-
     def _result(self, run: _Run, answer: str) -> dict[str, Any]:
         citations, dropped = resolve_citations(answer, run.shown)
         prompt_tokens = sum(stats.prompt_tokens for stats in run.stats)
@@ -378,6 +373,7 @@ class AgentLoop:
             },
             "speculation": speculation_summary(run.stats),
             "answerability": run.answerability,
+            "attribution": run.attribution,
             "trace_id": run.trace.trace_id,
         }
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from decoding.stats import GenerationStats
+from tools import ToolCall, ToolResult
 
 _CITATION = re.compile(r"\[P(\d+)\]")
 
@@ -57,3 +58,25 @@ def speculation_summary(all_stats: Sequence[GenerationStats]) -> dict[str, Any]:
         "off_reasons": reasons,
         "accepted_by_source": by_source,
     }
+
+
+def tool_result_dict(result: ToolResult) -> dict[str, Any]:
+    """A tool result as the API shows it (``tool_result`` events and step records)."""
+    return {
+        "name": result.name,
+        "ok": result.ok,
+        "content": result.content,
+        "error": asdict(result.error) if result.error else None,
+    }
+
+
+def step_record(
+    step: int, kind: str, stats: GenerationStats, call: ToolCall | None = None, result: ToolResult | None = None
+) -> dict[str, Any]:
+    """One entry of a run's ``steps``: what the step did and what speculation bought it."""
+    record: dict[str, Any] = {"index": step, "kind": kind, "speculation": speculation_summary([stats])}
+    if call is not None:
+        record["tool_call"] = {"name": call.name, "arguments": call.arguments}
+    if result is not None:
+        record["tool_result"] = tool_result_dict(result)
+    return record

@@ -240,7 +240,8 @@ def _run_options(agent: Any, body: AgentRunRequest, limits: ServerLimits) -> dic
         "seed": body.seed,
         "tools": list(tools),
         "abstain_threshold": body.abstain_threshold,
-    }
+        "citations": body.citations,
+    } | ({} if body.citation_min_similarity is None else {"citation_min_similarity": body.citation_min_similarity})
 
 
 def _observe_event(

@@ -24,6 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from evals.abstention import split
 from evals.groundedness import GroundednessScorer, ScorerSettings
 
 DEFAULT_SET = Path(__file__).parent / "datasets" / "groundedness_calibration.jsonl"
@@ -101,16 +102,12 @@ def evaluate(items: Sequence[Mapping[str, Any]], scorer: GroundednessScorer) -> 
     }
 
 
-def _split(items: Sequence[Mapping[str, Any]], odd: bool) -> list[Mapping[str, Any]]:
-    return [item for item in items if (int(item["id"].lstrip("c")) % 2 == 1) == odd]
-
-
 def report(items: Sequence[Mapping[str, Any]], scorer: GroundednessScorer | None = None) -> dict[str, Any]:
     scorer = scorer or GroundednessScorer()
     return {
         "settings": asdict(scorer.settings),
-        "dev": evaluate(_split(items, odd=True), scorer),
-        "held_out": evaluate(_split(items, odd=False), scorer),
+        "dev": evaluate(split(items, "dev"), scorer),
+        "held_out": evaluate(split(items, "held_out"), scorer),
         "all": evaluate(items, scorer),
     }
 
@@ -120,10 +117,10 @@ def render(result: Mapping[str, Any]) -> str:
         return "n/a" if value is None else f"{value:.3f}"
 
     lines = ["split     items  precision  recall  F1     FPR"]
-    for split in ("dev", "held_out", "all"):
-        row = result[split]
+    for part in ("dev", "held_out", "all"):
+        row = result[part]
         lines.append(
-            f"{split:<9} {row['items']:>5}  {fmt(row['precision']):>9}  {fmt(row['recall']):>6}  "
+            f"{part:<9} {row['items']:>5}  {fmt(row['precision']):>9}  {fmt(row['recall']):>6}  "
             f"{fmt(row['f1']):>5}  {fmt(row['false_positive_rate'])}"
         )
     lines.append("\nby kind (all items): detected/items, recall, F1 | supported kinds: flagged/items")

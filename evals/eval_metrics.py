@@ -22,8 +22,9 @@ INVALID_CALL_ERRORS = frozenset({"invalid_arguments", "unknown_tool"})
 
 def trace_stages(trace: Mapping[str, Any] | None) -> dict[str, float]:
     """Seconds per stage of one run: retrieve, answerability (the probe), prompt, prefill, decode,
-    tool, and the decode cycles' draft/verify/accept/grammar/rollback, plus the run's wall time."""
-    stages = ("retrieve", "answerability", "prompt", "prefill", "decode", "tool", *DECODE_STAGES, "wall")
+    tool, attribute (post-hoc citations), and the decode cycles' draft/verify/accept/grammar/rollback,
+    plus the run's wall time."""
+    stages = ("retrieve", "answerability", "prompt", "prefill", "decode", "tool", "attribute", *DECODE_STAGES, "wall")
     out = dict.fromkeys(stages, 0.0)
     if trace is None:
         return out
@@ -46,9 +47,8 @@ def _stage_of(name: str, is_root: bool) -> str | None:
         return "retrieve"
     if name.startswith("execute_tool"):
         return "tool"
-    return {"prompt_build": "prompt", "prefill": "prefill", "decode": "decode", "answerability": "answerability"}.get(
-        name
-    )
+    named = {"prompt_build": "prompt", "prefill": "prefill", "decode": "decode"}
+    return named.get(name) or (name if name in ("answerability", "attribute") else None)
 
 
 def accepted_lengths(trace: Mapping[str, Any] | None) -> list[int]:
@@ -100,6 +100,8 @@ def record(
         "question": item["question"],
         "answerable": bool(item["answerable"]),
         "answer": result["answer"],
+        # the model's own text when the run re-cited it (RunOptions.citations="attribute")
+        "model_answer": (result.get("attribution") or {}).get("model_answer", result["answer"]),
         "reference": item["reference"],
         "passages": [{"label": p["label"], "id": p["id"], "text": p["text"]} for p in result["passages"]],
         "cited_passage_ids": [c["passage_id"] for c in result["citations"]],
@@ -122,7 +124,10 @@ def answer_scores(run: Mapping[str, Any], scorer: GroundednessScorer | None = No
     """The scored fields of a record, from its answer, reference and passages alone (so a saved
     report can be rescored when the scorer changes: ``python -m evals.run --rescore``)."""
     answer = run["answer"]
-    citations = citation_scores(answer, {p["label"]: p["text"] for p in run["passages"]}, scorer)
+    shown = {p["label"]: p["text"] for p in run["passages"]}
+    citations = citation_scores(answer, shown, scorer)
+    model_answer = run.get("model_answer", answer)
+    model = citations if model_answer == answer else citation_scores(model_answer, shown, scorer)
     grounded = citations["groundedness"]
     answerable = run["answerable"]
     return {
@@ -137,6 +142,8 @@ def answer_scores(run: Mapping[str, Any], scorer: GroundednessScorer | None = No
         "citation_precision": citations["precision"],
         "citation_recall": citations["recall"],
         "unresolved_citations": citations["unresolved"],
+        "model_citation_pairs": model["citations"],
+        "model_citation_precision": model["precision"],
     }
 
 
@@ -155,6 +162,12 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     unanswerable = [r for r in records if not r["answerable"]]
     pairs = sum(r["citation_pairs"] for r in records)
     precise = sum((r["citation_precision"] or 0.0) * r["citation_pairs"] for r in records)
+    model_pairs = sum(r.get("model_citation_pairs", r["citation_pairs"]) for r in records)
+    model_precise = sum(
+        (r.get("model_citation_precision", r["citation_precision"]) or 0.0)
+        * r.get("model_citation_pairs", r["citation_pairs"])
+        for r in records
+    )
     supported = sum(r["supported_sentences"] for r in records)
     cited_supported = sum((r["citation_recall"] or 0.0) * r["supported_sentences"] for r in records)
     calls = sum(r["tool_calls"] for r in records)
@@ -170,6 +183,9 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "citation_recall": _ratio(cited_supported, supported),
         "citations": pairs,
         "unresolved_citations": sum(r["unresolved_citations"] for r in records),
+        # the markers the model wrote itself; equal to the above unless the run re-cited them
+        "model_citation_precision": _ratio(model_precise, model_pairs),
+        "model_citations": model_pairs,
         "token_f1": _mean([r["token_f1"] for r in answerable]),
         "exact_match": _mean([float(r["exact_match"]) for r in answerable]),
         "unanswerable_abstained": _mean([float(r["abstained"]) for r in unanswerable]),

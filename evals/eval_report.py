@@ -25,6 +25,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         f"model `{config['model']}`, draft `{config['draft']}`, speculation `{config['speculation']}`, "
         f"k {config['k']}, max steps {config['max_steps']}, max tokens {config['max_tokens']}, "
         f"system prompt `{config.get('system', 'not recorded')}`, abstain threshold {config.get('abstain_threshold')}, "
+        f"citations `{config.get('citations', 'model')}`, "
         f"{summary['questions']} questions from `{config['dataset']}`; {config['machine']}.",
         "",
         f"Command: `{report['command']}`",
@@ -39,6 +40,10 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         ("citation precision", _fmt(summary["citation_precision"])),
         ("citation recall", _fmt(summary["citation_recall"])),
         ("citations / unresolved", f"{summary['citations']} / {summary['unresolved_citations']}"),
+        (
+            "citation precision of the model's own markers (pairs)",
+            f"{_fmt(summary.get('model_citation_precision'))} ({summary.get('model_citations')})",
+        ),
         ("token F1 (answerable)", _fmt(summary["token_f1"])),
         ("exact match (answerable)", _fmt(summary["exact_match"])),
         ("unanswerable answered 'not in the documents'", _fmt(summary["unanswerable_abstained"], True)),

@@ -22,6 +22,7 @@ documents do not answer are abstentions, not claims: they are not scored.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import re
@@ -146,6 +147,25 @@ class GroundednessScorer:
     def _judge_claim(
         self, sentence: str, stems: list[str], passages: Sequence[_Passage], labels: list[str]
     ) -> SentenceVerdict:
+        verbatim = _verbatim_passage(sentence, passages)
+        if verbatim is not None:
+            evidence = _aligned_sentence(set(stems), [passages[verbatim]])
+            return SentenceVerdict(sentence, True, verbatim, evidence, "verbatim: the passage contains it", 1.0, labels)
+        verdict = self._judge_with(sentence, stems, passages, labels)
+        if verdict.supported or len(passages) < 2:
+            return verdict
+        # Supported when any passage supports it: the passage sharing the most words can hold a
+        # conflicting sentence ("... doesn't create a tuple") while another states the claim.
+        for index, passage in enumerate(passages):
+            if index != verdict.best_passage:
+                alone = self._judge_with(sentence, stems, [passage], labels)
+                if alone.supported:
+                    return dataclasses.replace(alone, best_passage=index)
+        return verdict
+
+    def _judge_with(
+        self, sentence: str, stems: list[str], passages: Sequence[_Passage], labels: list[str]
+    ) -> SentenceVerdict:
         wanted = set(stems)
         ranked = sorted(range(len(passages)), key=lambda i: -len(wanted & passages[i].stems))
         best, evidence_ids = ranked[0], ranked[:1]
@@ -218,6 +238,19 @@ def score(answer: str, passages: Sequence[str], settings: ScorerSettings | None 
     """Per-sentence support of ``answer`` by ``passages``: ``GroundednessResult(score, sentences)``."""
     scorer = default_scorer() if settings is None else GroundednessScorer(settings, default_scorer()._embedder)
     return scorer.score(answer, passages)
+
+
+def _verbatim_passage(sentence: str, passages: Sequence[_Passage]) -> int | None:
+    """The index of a passage containing the sentence word for word (case and spacing aside)."""
+    needle = _normalized(tm.strip_citations(sentence))
+    if not needle:
+        return None
+    return next((index for index, passage in enumerate(passages) if needle in _normalized(passage.text)), None)
+
+
+def _normalized(text: str) -> str:
+    """Lower case, one space between words, no punctuation around the ends (quotes, brackets, stops)."""
+    return " ".join(text.lower().split()).strip(" .,;:!?()[]\"'`*")
 
 
 def _unsupported_clause(sentence: str, passages: Sequence[_Passage], min_coverage: float) -> str | None:

@@ -263,6 +263,34 @@ MUTATIONS = (
         r"""\s+(?=""",
         ("tests/test_text_match.py",),
     ),
+    Mutation(
+        "scorer_ignores_a_verbatim_copy",
+        "evals/groundedness.py",
+        "verbatim = _verbatim_passage(sentence, passages)",
+        "verbatim = None",
+        ("tests/test_groundedness.py",),
+    ),
+    Mutation(
+        "scorer_judges_only_against_the_best_overlapping_passage",
+        "evals/groundedness.py",
+        "if verdict.supported or len(passages) < 2:",
+        "if True:",
+        ("tests/test_groundedness.py",),
+    ),
+    Mutation(
+        "attribution_cites_below_the_threshold",
+        "agent/attribution.py",
+        "label = passages[closest].label if scores[closest] >= min_similarity else None",
+        "label = passages[closest].label",
+        ("tests/test_attribution.py",),
+    ),
+    Mutation(
+        "attribution_keeps_the_model_markers",
+        "agent/attribution.py",
+        "pieces += [answer[cursor:start], with_marker(answer[start:end], label)]",
+        "pieces += [answer[cursor:start], answer[start:end] if label is None else with_marker(answer[start:end], label)]",  # noqa: E501
+        ("tests/test_attribution.py",),
+    ),
 )
 
 

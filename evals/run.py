@@ -109,6 +109,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--measure-answerability", action="store_true", help="record the probe's P(no) without gating on it"
     )
+    parser.add_argument(
+        "--citations",
+        choices=["model", "attribute"],
+        default="model",
+        help="attribute: re-cite each answer sentence post hoc (agent/attribution.py)",
+    )
+    parser.add_argument(
+        "--citation-min-similarity",
+        type=probability,
+        default=None,
+        help="cosine a sentence needs to cite a passage under --citations attribute (default: the agent's)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the summary (and on/off comparison) as JSON")
@@ -206,7 +218,10 @@ def _run_all(
         "tools": args.tools,
         "abstain_threshold": args.abstain_threshold,
         "measure_answerability": args.measure_answerability,
+        "citations": args.citations,
     }
+    if args.citation_min_similarity is not None:
+        options["citation_min_similarity"] = args.citation_min_similarity
     on: list[dict[str, Any]] = []
     off: list[dict[str, Any]] = []
     bar = tqdm(items, desc="eval groundedness", unit="q", disable=args.no_progress, file=sys.stderr)
@@ -246,6 +261,8 @@ def _report(
         "split": args.split,
         "abstain_threshold": args.abstain_threshold,
         "measure_answerability": args.measure_answerability,
+        "citations": args.citations,
+        "citation_min_similarity": args.citation_min_similarity,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip()
         + f", {torch.get_num_threads()} torch threads, cuda {torch.cuda.is_available()}",
         "elapsed_s": round(elapsed, 1),

@@ -5,6 +5,7 @@ Quality is not asserted here; the scorer's own tests and calibration do that."""
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -63,7 +64,7 @@ def test_quick_eval_end_to_end(tmp_path_factory: pytest.TempPathFactory, capsys:
     out = tmp_path_factory.mktemp("eval")
     args = ["eval", "groundedness", "--quick", "--model", "smollm2-135m", "--index", str(index)]
     args += ["--out", str(out), "--max-tokens", "48", "--compare-off", "--no-progress", "--min-groundedness", "1.01"]
-    args += ["--measure-answerability"]
+    args += ["--measure-answerability", "--citations", "attribute", "--citation-min-similarity", "0"]
     assert cli_main(args) == 1  # groundedness ≤ 1 < 1.01: the CI gate fails, after writing the report
     assert "below --min-groundedness 1.01" in capsys.readouterr().err
 
@@ -81,6 +82,11 @@ def test_quick_eval_end_to_end(tmp_path_factory: pytest.TempPathFactory, capsys:
         assert record["passages"] and all(p["label"].startswith("P") for p in record["passages"])
         for sentence in record["sentences"]:
             assert sentence["supported"] in (True, False, None) and sentence["reason"]
+        # re-citing moves markers only; the model's own text is kept and scored separately
+        assert unmarked(record["answer"]) == unmarked(record["model_answer"])
+        assert "model_citation_precision" in record
+    assert summary["citations"] > 0  # at threshold 0 every claim cites
+    assert report["config"]["citations"] == "attribute" and "model_citation_precision" in summary
     markdown = (out / "report.md").read_text(encoding="utf-8")
     assert "Greedy answers identical: **5 of 5**" in markdown and "| groundedness (mean per answer) |" in markdown
     for plot in ("score_distribution.png", "per_kind.png", "stage_latency.png", "accepted_length.png"):
@@ -98,6 +104,10 @@ def test_quick_eval_end_to_end(tmp_path_factory: pytest.TempPathFactory, capsys:
     again = json.loads((rescored / "report.json").read_text(encoding="utf-8"))
     assert again["summary"]["groundedness"] == summary["groundedness"] == printed["summary"]["groundedness"]
     assert again["compare_off"]["identical_answers"] == 5
+
+
+def unmarked(text: str) -> str:
+    return re.sub(r"\s+|\[P\d+\]", "", text)
 
 
 def test_a_threshold_outside_zero_to_one_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

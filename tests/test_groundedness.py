@@ -116,6 +116,36 @@ def test_a_sentence_is_supported_by_whichever_passage_holds_it() -> None:
     assert result.score == 1.0
 
 
+TUPLE = (
+    "The trailing comma is required only to create a single tuple (a.k.a. a\n*singleton*); it is optional in all "
+    "other cases.  A single expression\nwithout a trailing comma doesn’t create a tuple, but rather yields the\n"
+    'value of that expression. (To create an empty tuple, use an empty pair\nof parentheses: "()".)'
+)
+LAMBDA = (
+    "Lambda expressions (sometimes called lambda forms) are used to create\nanonymous functions. "
+    "Note that functions created with lambda expressions cannot contain\nstatements or annotations."
+)
+DEF = (
+    "Note that the lambda\nexpression is merely a shorthand for a simplified function definition. "
+    'The “"def"” form is actually more powerful since it\nallows the execution of multiple statements '
+    "and annotations."
+)
+
+
+def test_a_sentence_the_passage_contains_word_for_word_is_supported() -> None:
+    # The aligned passage sentence ("... doesn't create a tuple") holds a negation the copy does not.
+    result = score('(To create an empty tuple, use an empty pair of parentheses: "()".) [P1]', [TUPLE])
+    assert result.score == 1.0 and result.sentences[0].reason.startswith("verbatim"), result.sentences[0]
+
+
+def test_a_sentence_is_supported_when_any_single_passage_supports_it() -> None:
+    claim = "A function defined with `def` can contain statements and annotations, while a lambda cannot."
+    # LAMBDA shares the most words but reads as negating them; DEF states the claim on its own.
+    assert score(claim, [LAMBDA]).score == 0.0
+    result = score(claim, [LAMBDA, DEF])
+    assert result.score == 1.0 and result.sentences[0].best_passage == 1, result.sentences[0]
+
+
 def test_no_passages_means_nothing_is_supported() -> None:
     assert score("Python floats have 53 bits of precision.", []).score == 0.0
 

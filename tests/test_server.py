@@ -5,6 +5,7 @@ failures inside a stream."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -78,6 +79,21 @@ def test_a_run_with_an_abstain_threshold_of_zero_abstains_without_generating(cli
     result = response.json()
     assert result["answer"] == "The documents do not say." and result["answerability"]["abstained"]
     assert result["usage"]["completion_tokens"] == 0 and result["steps"][0]["kind"] == "abstain"
+
+
+def test_a_run_with_attributed_citations_keeps_the_model_text(client: TestClient[Any]) -> None:
+    plain = client.post("/v1/agent/runs", json=run_body()).json()
+    response = client.post("/v1/agent/runs", json=run_body(citations="attribute", citation_min_similarity=0.0))
+    assert response.status_code == 200, response.text
+    result = response.json()
+    attribution = result["attribution"]
+    assert plain["attribution"] is None and attribution["model_answer"] == plain["answer"]  # greedy: same text
+    assert attribution["min_similarity"] == 0.0
+    labels = [sentence["label"] for sentence in attribution["sentences"]]
+    # at threshold 0 every claim cites, and the result's citations are exactly those passages
+    assert labels and None not in labels
+    assert sorted({c["label"] for c in result["citations"]}) == sorted(set(labels))
+    assert re.sub(r"\s*\[P\d+\]", "", result["answer"]) == re.sub(r"\s*\[P\d+\]", "", plain["answer"]).strip()
 
 
 def test_a_streamed_run_sends_token_events_then_the_final_result(client: TestClient[Any]) -> None:

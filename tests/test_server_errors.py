@@ -55,6 +55,8 @@ def chat(**fields: Any) -> dict[str, Any]:
         (RUNS, {"question": "q", "temperature": -1}, 400, "temperature"),
         (RUNS, {"question": "q", "speculation": "sometimes"}, 400, "speculation"),
         (RUNS, {"question": "q", "abstain_threshold": 1.5}, 400, "abstain_threshold"),
+        (RUNS, {"question": "q", "citations": "post-hoc"}, 400, "citations"),
+        (RUNS, {"question": "q", "citation_min_similarity": -0.1}, 400, "citation_min_similarity"),
         (RUNS, {"question": "q", "tools": ["no_such_tool"]}, 400, "tools"),
         (RUNS, {"question": "q", "surprise": 1}, 400, "surprise"),
         (RUNS, {"question": "word " * 200}, 400, "question"),
