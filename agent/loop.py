@@ -7,7 +7,9 @@ is either a valid call to a registered tool or plain text; plain text is the fin
 The last allowed step is generated without tools, so a run always ends with an answer.
 
 With ``abstain_threshold`` set, an answerability probe runs first (``agent/answerability.py``)
-and a run it judges unanswerable replies ``ABSTENTION`` without generating.
+and a run it judges unanswerable replies ``ABSTENTION`` without generating. With
+``citations="attribute"`` the final answer's ``[Pn]`` markers are chosen again, post hoc,
+by ``agent/attribution.py``; the generated text is kept in the result's ``attribution``.
 
 Every retrieved passage of the run goes to the prompt-lookup drafter as a source of its
 own, the ones that did not fit in the prompt too. The stream of events is the API's shape:
