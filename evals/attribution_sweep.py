@@ -16,22 +16,15 @@ import argparse
 import json
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agent.attribution import Attributor, Embedder
+from agent.results import ShownPassage
 from evals.abstention import split
 from evals.groundedness import GroundednessScorer, citation_scores
 
 THRESHOLDS = (0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9)
-
-
-@dataclass(frozen=True)
-class _Shown:
-    label: str
-    id: str
-    text: str
 
 
 def precision_at(
@@ -40,7 +33,7 @@ def precision_at(
     """Citation pairs and precision over ``records`` re-cited at ``threshold``."""
     pairs = supported = 0
     for record in records:
-        shown = [_Shown(p["label"], p["id"], p["text"]) for p in record["passages"]]
+        shown = [ShownPassage(p["label"], p["id"], p.get("source", ""), p["text"]) for p in record["passages"]]
         answer, _ = attributor.attribute(record.get("model_answer", record["answer"]), shown, threshold)
         scores = citation_scores(answer, {p.label: p.text for p in shown}, scorer)
         pairs += scores["citations"]
