@@ -17,6 +17,11 @@ def _fmt(value: Any, percent: bool = False) -> str:
     return str(value)
 
 
+def _threshold(config: Mapping[str, Any]) -> str:
+    min_similarity = config.get("citation_min_similarity")
+    return "" if min_similarity is None else f" at cosine ≥ {min_similarity}"
+
+
 def render_markdown(report: Mapping[str, Any]) -> str:
     summary, config = report["summary"], report["config"]
     lines = [
@@ -25,7 +30,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         f"model `{config['model']}`, draft `{config['draft']}`, speculation `{config['speculation']}`, "
         f"k {config['k']}, max steps {config['max_steps']}, max tokens {config['max_tokens']}, "
         f"system prompt `{config.get('system', 'not recorded')}`, abstain threshold {config.get('abstain_threshold')}, "
-        f"citations `{config.get('citations', 'model')}`, "
+        f"citations `{config.get('citations', 'model')}`{_threshold(config)}, "
         f"{summary['questions']} questions from `{config['dataset']}`; {config['machine']}.",
         "",
         f"Command: `{report['command']}`",

@@ -241,6 +241,17 @@ def _answer(
     return record(item, result, agent.trace(result["trace_id"]), scorer)
 
 
+def _effective_min_similarity(args: argparse.Namespace) -> float | None:
+    """The threshold the run used, so a report stays readable after the default moves."""
+    if args.citations != "attribute":
+        return args.citation_min_similarity
+    if args.citation_min_similarity is not None:
+        return args.citation_min_similarity
+    from agent.attribution import DEFAULT_MIN_SIMILARITY
+
+    return DEFAULT_MIN_SIMILARITY
+
+
 def _report(
     args: argparse.Namespace, command: str, on: list[dict[str, Any]], off: list[dict[str, Any]], elapsed: float
 ) -> dict[str, Any]:
@@ -262,7 +273,7 @@ def _report(
         "abstain_threshold": args.abstain_threshold,
         "measure_answerability": args.measure_answerability,
         "citations": args.citations,
-        "citation_min_similarity": args.citation_min_similarity,
+        "citation_min_similarity": _effective_min_similarity(args),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip()
         + f", {torch.get_num_threads()} torch threads, cuda {torch.cuda.is_available()}",
         "elapsed_s": round(elapsed, 1),

@@ -4,6 +4,7 @@ Quality is not asserted here; the scorer's own tests and calibration do that."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from collections import Counter
@@ -11,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from agent.attribution import DEFAULT_MIN_SIMILARITY
 from agent.cli import main as cli_main
 from evals.abstention import main as abstention_main
-from evals.run import DEFAULT_DATASET, KINDS, DatasetError, gate, load_dataset, quick_subset
+from evals.run import DEFAULT_DATASET, KINDS, DatasetError, _effective_min_similarity, gate, load_dataset, quick_subset
 from evals.text_match import whitespace_normalized
 from retrieval import load_sample_corpus
 from tests.retrieval_helpers import sample_index
@@ -87,6 +89,7 @@ def test_quick_eval_end_to_end(tmp_path_factory: pytest.TempPathFactory, capsys:
         assert "model_citation_precision" in record
     assert summary["citations"] > 0  # at threshold 0 every claim cites
     assert report["config"]["citations"] == "attribute" and "model_citation_precision" in summary
+    assert report["config"]["citation_min_similarity"] == 0
     markdown = (out / "report.md").read_text(encoding="utf-8")
     assert "Greedy answers identical: **5 of 5**" in markdown and "| groundedness (mean per answer) |" in markdown
     for plot in ("score_distribution.png", "per_kind.png", "stage_latency.png", "accepted_length.png"):
@@ -104,6 +107,15 @@ def test_quick_eval_end_to_end(tmp_path_factory: pytest.TempPathFactory, capsys:
     again = json.loads((rescored / "report.json").read_text(encoding="utf-8"))
     assert again["summary"]["groundedness"] == summary["groundedness"] == printed["summary"]["groundedness"]
     assert again["compare_off"]["identical_answers"] == 5
+
+
+def test_the_report_records_the_threshold_used_even_when_it_was_the_default() -> None:
+    def args(citations: str, min_similarity: float | None) -> argparse.Namespace:
+        return argparse.Namespace(citations=citations, citation_min_similarity=min_similarity)
+
+    assert _effective_min_similarity(args("attribute", None)) == DEFAULT_MIN_SIMILARITY
+    assert _effective_min_similarity(args("attribute", 0.7)) == 0.7
+    assert _effective_min_similarity(args("model", None)) is None
 
 
 def unmarked(text: str) -> str:
