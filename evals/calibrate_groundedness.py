@@ -26,6 +26,7 @@ from typing import Any
 
 from evals.abstention import split
 from evals.groundedness import GroundednessScorer, ScorerSettings
+from evals.nli import NliJudge, NliUnavailable
 
 DEFAULT_SET = Path(__file__).parent / "datasets" / "groundedness_calibration.jsonl"
 PLANTS = ("number", "entity", "invented", "negation", "wrong_passage")
@@ -139,8 +140,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the full report (with every error) here")
     parser.add_argument("--errors", action="store_true", help="print every misjudged item")
     parser.add_argument("--lexical", action="store_true", help="without the embedding model")
+    parser.add_argument("--nli", type=Path, default=None, help="local NLI cross-encoder folder (evals/nli.py)")
     args = parser.parse_args(argv)
-    result = report(load(args.dataset), GroundednessScorer(ScorerSettings(semantic=not args.lexical)))
+    try:
+        nli = NliJudge(args.nli) if args.nli else None
+    except NliUnavailable as error:
+        print(f"calibrate_groundedness: {error}", file=sys.stderr)
+        return 2
+    result = report(load(args.dataset), GroundednessScorer(ScorerSettings(semantic=not args.lexical), nli=nli))
     print(render(result))
     if args.errors:
         for error in result["all"]["errors"]:

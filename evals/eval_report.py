@@ -22,6 +22,10 @@ def _threshold(config: Mapping[str, Any]) -> str:
     return "" if min_similarity is None else f" at cosine ≥ {min_similarity}"
 
 
+def _nli(config: Mapping[str, Any]) -> str:
+    return f"NLI judge `{config['nli']}`, " if config.get("nli") else ""
+
+
 def render_markdown(report: Mapping[str, Any]) -> str:
     summary, config = report["summary"], report["config"]
     lines = [
@@ -30,7 +34,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         f"model `{config['model']}`, draft `{config['draft']}`, speculation `{config['speculation']}`, "
         f"k {config['k']}, max steps {config['max_steps']}, max tokens {config['max_tokens']}, "
         f"system prompt `{config.get('system', 'not recorded')}`, abstain threshold {config.get('abstain_threshold')}, "
-        f"citations `{config.get('citations', 'model')}`{_threshold(config)}, "
+        f"citations `{config.get('citations', 'model')}`{_threshold(config)}, {_nli(config)}"
         f"{summary['questions']} questions from `{config['dataset']}`; {config['machine']}.",
         "",
         f"Command: `{report['command']}`",

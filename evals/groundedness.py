@@ -11,7 +11,9 @@ a reviewer would:
 4. near-verbatim (its content stems in order inside one passage) → supported;
 5. content: stem coverage by the best passage (or best two, for a sentence joining two facts)
    ≥ ``lexical_coverage`` → supported; below ``min_coverage`` → unsupported; in between, the
-   sentence must be close in meaning to a passage sentence (MiniLM cosine ≥ ``min_similarity``).
+   sentence must be close in meaning to a passage sentence (MiniLM cosine ≥ ``min_similarity``),
+   or, with an NLI judge (``nli=``, evals/nli.py, local weights only), entailed by one of the
+   ``NLI_CANDIDATES`` passage windows closest in meaning (P ≥ ``min_entailment``).
 
 Thresholds were tuned on the odd half of the calibration set (evals/calibrate_groundedness.py
 reports the held-out half too). What it cannot see: a claim that reuses the passage's words
@@ -35,6 +37,7 @@ import numpy as np
 from evals import text_match as tm
 
 MIN_CONTENT_STEMS = 3  # fewer content words than this is not a claim ("Yes.", "In short:")
+NLI_CANDIDATES = 4  # passage windows (closest by cosine) the NLI judge reads per sentence
 SWAP_ALIGNMENT = 0.6  # share of a claim's words in one passage sentence for "same statement, other value"
 
 
@@ -46,6 +49,7 @@ class ScorerSettings:
     verbatim_coverage: float = 0.9  # in-order share that counts as a near-verbatim span
     clause_coverage: float = 0.25  # a clause of a paraphrase needs this share of its words in some passage
     semantic: bool = True  # False: lexical only (a sentence needs lexical_coverage)
+    min_entailment: float = 0.5  # with an NLI judge: P(entailment) that supports an in-between sentence
 
 
 @dataclass
@@ -105,11 +109,13 @@ class GroundednessScorer:
     """Scores answers against passages; keeps passage embeddings between calls (an eval run
     checks many answers against the same passages). ``embedder``: anything with
     ``encode(texts) -> normalised rows`` (retrieval.Embedder); None loads MiniLM when
-    ``settings.semantic``."""
+    ``settings.semantic``. ``nli``: anything with ``entailment(premises, hypothesis) ->
+    probabilities`` (evals.nli.NliJudge); it then decides the in-between sentences."""
 
-    def __init__(self, settings: ScorerSettings | None = None, embedder: Any = None) -> None:
+    def __init__(self, settings: ScorerSettings | None = None, embedder: Any = None, nli: Any = None) -> None:
         self.settings = settings or ScorerSettings()
         self._embedder = embedder
+        self.nli = nli
         self._windows: dict[str, tuple[list[str], np.ndarray]] = {}
 
     @property
@@ -201,12 +207,26 @@ class GroundednessScorer:
         clause = _unsupported_clause(sentence, passages, settings.clause_coverage)
         if clause:
             return False, f"clause with no support: '{clause}'", ""
-        similarity, closest = self._closest(sentence, passages)
-        if similarity >= settings.min_similarity:
+        if self.nli is not None:
+            return self._entailed(sentence, coverage, passages)
+        return self._paraphrased(sentence, coverage, passages)
+
+    def _paraphrased(self, sentence: str, coverage: float, passages: Sequence[_Passage]) -> tuple[bool, str, str]:
+        [(similarity, closest)] = self._nearest(sentence, passages, 1)
+        if similarity >= self.settings.min_similarity:
             return True, f"paraphrase: cosine {similarity:.2f} to a passage sentence", closest
         return False, f"{coverage:.0%} of its content words in the evidence, closest cosine {similarity:.2f}", ""
 
-    def _closest(self, sentence: str, passages: Sequence[_Passage]) -> tuple[float, str]:
+    def _entailed(self, sentence: str, coverage: float, passages: Sequence[_Passage]) -> tuple[bool, str, str]:
+        windows = [window for _, window in self._nearest(sentence, passages, NLI_CANDIDATES)]
+        probabilities = self.nli.entailment(windows, tm.strip_citations(sentence))
+        best = int(np.argmax(probabilities))
+        if probabilities[best] >= self.settings.min_entailment:
+            return True, f"entailed: NLI P={probabilities[best]:.2f} from a passage sentence", windows[best]
+        return False, f"{coverage:.0%} of its content words in the evidence, NLI P≤{probabilities[best]:.2f}", ""
+
+    def _nearest(self, sentence: str, passages: Sequence[_Passage], count: int) -> list[tuple[float, str]]:
+        """The ``count`` passage windows closest in meaning, closest first."""
         windows, vectors = [], []
         for passage in passages:
             texts, matrix = self._passage_windows(passage.text)
@@ -214,8 +234,8 @@ class GroundednessScorer:
             vectors.append(matrix)
         claim = self.embedder.encode([tm.strip_citations(sentence)])
         similarities = np.concatenate(vectors) @ np.asarray(claim)[0]
-        index = int(np.argmax(similarities))
-        return float(similarities[index]), windows[index]
+        order = np.argsort(-similarities, kind="stable")[:count]
+        return [(float(similarities[index]), windows[index]) for index in order]
 
     def _passage_windows(self, text: str) -> tuple[list[str], np.ndarray]:
         """Every sentence of the passage (code too) and every adjacent pair, embedded once."""

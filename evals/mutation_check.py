@@ -291,6 +291,27 @@ MUTATIONS = (
         "pieces += [answer[cursor:start], answer[start:end] if label is None else with_marker(answer[start:end], label)]",  # noqa: E501
         ("tests/test_attribution.py",),
     ),
+    Mutation(
+        "nli_reads_the_claim_as_premise",
+        "evals/nli.py",
+        "pairs = [(premise, hypothesis) for premise in premises]",
+        "pairs = [(hypothesis, premise) for premise in premises]",
+        ("tests/test_nli.py",),
+    ),
+    Mutation(
+        "nli_supports_below_min_entailment",
+        "evals/groundedness.py",
+        "if probabilities[best] >= self.settings.min_entailment:",
+        "if probabilities[best] >= 0.0:",
+        ("tests/test_nli.py",),
+    ),
+    Mutation(
+        "report_records_no_default_citation_threshold",
+        "evals/run.py",
+        "    return DEFAULT_MIN_SIMILARITY\n",
+        "    return None\n",
+        ("tests/test_eval_run.py::test_the_report_records_the_threshold_used_even_when_it_was_the_default",),
+    ),
 )
 
 

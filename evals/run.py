@@ -26,6 +26,7 @@ from evals.abstention import split
 from evals.eval_metrics import answer_scores, compare_passes, record, summarize
 from evals.eval_report import render_markdown, write_plots
 from evals.groundedness import GroundednessScorer
+from evals.nli import NliJudge, NliUnavailable
 
 DEFAULT_DATASET = Path(__file__).parent / "datasets" / "groundedness.jsonl"
 KINDS = ("single", "two_passage", "exact", "unanswerable", "bait")
@@ -121,6 +122,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="cosine a sentence needs to cite a passage under --citations attribute (default: the agent's)",
     )
+    parser.add_argument(
+        "--nli",
+        type=Path,
+        default=None,
+        help="local NLI cross-encoder folder: it judges the scorer's uncertain sentences (evals/nli.py)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the summary (and on/off comparison) as JSON")
@@ -135,8 +142,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m evals.run") -
 
 
 def run(args: argparse.Namespace, command: str) -> int:
+    try:
+        scorer = GroundednessScorer(nli=NliJudge(args.nli) if args.nli else None)
+    except NliUnavailable as error:
+        print(f"eval groundedness: {error}", file=sys.stderr)
+        return 2
     if args.rescore is not None:
-        return _rescore(args, command)
+        return _rescore(args, command, scorer)
     try:
         items = load_dataset(args.dataset)
     except (OSError, DatasetError) as error:
@@ -153,7 +165,7 @@ def run(args: argparse.Namespace, command: str) -> int:
     agent = _agent(args)
     try:
         started = time.perf_counter()
-        on, off = _run_all(agent, items, args)
+        on, off = _run_all(agent, scorer, items, args)
         elapsed = time.perf_counter() - started
     finally:
         agent.close()
@@ -180,10 +192,9 @@ def gate(summary: Mapping[str, Any], threshold: float | None) -> int:
     return 0
 
 
-def _rescore(args: argparse.Namespace, command: str) -> int:
+def _rescore(args: argparse.Namespace, command: str, scorer: GroundednessScorer) -> int:
     """Score a saved report's answers with the current scorer; the runs themselves are kept."""
     report = json.loads(args.rescore.read_text(encoding="utf-8"))
-    scorer = GroundednessScorer()
     for key in ("records", "records_off"):
         report[key] = [{**r, **answer_scores(r, scorer)} for r in report.get(key, [])]
     report["summary"] = summarize(report["records"])
@@ -192,6 +203,7 @@ def _rescore(args: argparse.Namespace, command: str) -> int:
     else:
         report.pop("records_off")
     report["rescored_by"] = command
+    report["config"]["nli"] = scorer.nli.folder if scorer.nli else None
     return _finish(report, args)
 
 
@@ -206,11 +218,10 @@ def _agent(args: argparse.Namespace) -> Any:
 
 
 def _run_all(
-    agent: Any, items: Sequence[dict[str, Any]], args: argparse.Namespace
+    agent: Any, scorer: GroundednessScorer, items: Sequence[dict[str, Any]], args: argparse.Namespace
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     from tqdm import tqdm
 
-    scorer = GroundednessScorer()
     options = {
         "k": args.k,
         "max_steps": args.max_steps,
@@ -274,6 +285,7 @@ def _report(
         "measure_answerability": args.measure_answerability,
         "citations": args.citations,
         "citation_min_similarity": _effective_min_similarity(args),
+        "nli": str(args.nli) if args.nli else None,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip()
         + f", {torch.get_num_threads()} torch threads, cuda {torch.cuda.is_available()}",
         "elapsed_s": round(elapsed, 1),
