@@ -33,7 +33,10 @@ class NliJudge:
             )
         from sentence_transformers import CrossEncoder
 
-        self._model = CrossEncoder(str(path), local_files_only=True, device=device)
+        try:
+            self._model = CrossEncoder(str(path), local_files_only=True, device=device)
+        except (OSError, ValueError) as error:  # no weights, no tokenizer, an unknown model type
+            raise NliUnavailable(f"--nli: cannot load {path}: {error}") from error
         self.folder = str(path)
         self.entailment_index = entailment_label(self._model.config.id2label, path)
 

@@ -60,6 +60,9 @@ def test_a_missing_folder_is_a_clear_error_and_nothing_is_downloaded(tmp_path: P
         NliJudge(tmp_path / "absent")
     with pytest.raises(NliUnavailable):
         NliJudge("cross-encoder/nli-deberta-v3-small")  # a hub id is not a folder: refused, not fetched
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}', encoding="utf-8")
+    with pytest.raises(NliUnavailable, match=r"--nli: cannot load .*model\.safetensors"):
+        NliJudge(tmp_path)  # a config without weights
 
 
 def test_the_judge_reads_premise_then_claim_and_the_entailment_column(tiny_nli: Path) -> None:
