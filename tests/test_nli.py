@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from evals.calibrate_groundedness import main as calibrate_main
-from evals.groundedness import GroundednessScorer
+from evals.groundedness import NLI_CANDIDATES, GroundednessScorer
 from evals.nli import NliJudge, NliUnavailable, entailment_label
 from evals.run import main as eval_main
 from tests.test_groundedness import SUPPORTED, WITH
@@ -94,7 +94,9 @@ class _FixedNli:
 
     def entailment(self, premises: list[str], hypothesis: str) -> np.ndarray:
         self.calls.append((list(premises), hypothesis))
-        return np.full(len(premises), self.probability)
+        probabilities = np.zeros(len(premises))
+        probabilities[-1] = self.probability  # the farthest window: the evidence must follow the argmax
+        return probabilities
 
 
 def test_the_judge_decides_the_in_between_band_only() -> None:
@@ -106,7 +108,7 @@ def test_the_judge_decides_the_in_between_band_only() -> None:
     assert verdict.supported and verdict.reason.startswith("entailed: NLI P=0.90")
     [(premises, hypothesis)] = entails.calls
     assert hypothesis == SUPPORTED["paraphrase_enter"][0]  # markers stripped
-    assert 1 < len(premises) <= 4 and verdict.evidence == premises[0]
+    assert len(premises) == NLI_CANDIDATES and verdict.evidence == premises[-1]
     assert all(window in " ".join(WITH.split()) for window in premises)
 
     verdict = GroundednessScorer(nli=_FixedNli(0.1)).score(paraphrase, [WITH]).sentences[0]
