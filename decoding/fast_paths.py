@@ -1,8 +1,8 @@
-"""CPU fast paths for the forwards speculative decoding makes: few new tokens, long weights.
+"""CPU fast paths for the forwards speculative decoding makes, and the row-exact mode.
 
-Measured on this project's AVX2 machine (``python -m evals.bench_forward`` and the numbers
-in the README), two things made a verify forward over k = 2..16 tokens cost far more than
-a one-token step, although both read the same weights:
+Speed. Measured on this project's AVX2 machine (``python -m evals.bench_forward`` and the
+numbers in the docs), two things made a verify forward over k = 2..16 tokens cost far
+more than a one-token step, although both read the same weights:
 
 1. MKL's GEMM for ``x @ W.T`` with few rows of ``x`` (``F.linear``) is slow: for an
    [8960 x 1536] weight, 4 rows took 17 ms against 5 ms for one row. Computing the same
@@ -12,8 +12,18 @@ a one-token step, although both read the same weights:
    (``repeat_kv``: a copy of the whole cache per layer per forward) whenever a mask is
    needed, i.e. for every verify forward. ``enable_gqa=True`` lets the kernel share heads.
 
-Both change only how the same sums are evaluated; all of specrag's paths (plain step,
-verify, draft) and the transformers reference in the benchmark run the same model.
+Exactness (row-exact mode, ``decoding/batch_invariance.py`` decides when it is on). Greedy
+speculation is only exact if the verify forward over k tokens gives each row the logits k
+one-token steps would give, bit for bit: in bfloat16 the logits are coarse enough that
+exact ties are common, and any rounding difference flips them. On the native-bf16 CPU,
+oneDNN's bf16 GEMM gives a row the same bits whatever the other rows, as long as the
+reduction dimension K is at most 4096; a longer K is accumulated in an order that
+depends on the row count. So a layer with a long K sums fixed K-chunks in float32 in a
+fixed order (``k_chunks``), the same for one row as for many. Attention over several new
+query rows uses a different kernel schedule from one query row, so in row-exact mode each
+new row is attended as its own one-row call over exactly the keys a one-token step would
+see. Both only change how the same sums are ordered; all of specrag's paths (plain step,
+verify, draft) and the transformers reference in the benchmark run the same weights.
 """
 
 from __future__ import annotations
@@ -27,19 +37,79 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTENTION_NAME = "specrag_sdpa"
+# The keyword CausalLM.forward passes through transformers to the attention function when
+# the new tokens are a plain causal append to the cache (no tree, no padding), which is
+# what the per-row path assumes.
+ROW_EXACT_KWARG = "specrag_row_exact"
+# Longer appends are prompt prefills, shared by every path: they keep the fast kernel.
+ROW_EXACT_MAX_QUERY = 64
 
 
 class SkinnyLinear(torch.nn.Linear):
-    """``nn.Linear`` computed as ``(W @ x.T).T``: fast when x has few rows (see module doc)."""
+    """``nn.Linear`` computed as ``(W @ x.T).T``: fast when x has few rows (see module doc).
+
+    With ``k_chunks`` set (row-exact mode), the reduction runs over those column ranges
+    of W one at a time and is summed in float32 in that order. With ``min_rows`` 2, a
+    one-row product is computed as two copies of the row: on the AMX machine oneDNN's
+    one-row bf16 kernel was 1.2-1.7x slower than its two-row one for every shape of the
+    1.5B (``evals/bench_forward.py``); row-exactness makes the padded row's bits the same.
+    """
+
+    k_chunks: tuple[tuple[int, int], ...] = ()
+    min_rows: int = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        # contiguous: a transposed output would give attention a head dim with stride != 1,
-        # which pushes SDPA off its flash kernel onto the slow math path.
-        out = torch.mm(self.weight, rows.t()).t().contiguous()
+        if rows.shape[0] < self.min_rows:
+            out = self._product(rows.expand(self.min_rows, -1).contiguous())[: rows.shape[0]]
+        else:
+            out = self._product(rows)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.k_chunks:
+            return self._chunked_product(rows)
+        # contiguous: a transposed output would give attention a head dim with stride != 1,
+        # which pushes SDPA off its flash kernel onto the slow math path.
+        return torch.mm(self.weight, rows.t()).t().contiguous()
+
+    def _chunked_product(self, rows: torch.Tensor) -> torch.Tensor:
+        accumulate = torch.promote_types(rows.dtype, torch.float32)
+        total = torch.zeros(self.weight.shape[0], rows.shape[0], dtype=accumulate, device=rows.device)
+        for start, end in self.k_chunks:  # slices, not copies: measured as fast, no extra memory
+            total.add_(torch.mm(self.weight[:, start:end], rows[:, start:end].t()))
+        return total.t().to(rows.dtype).contiguous()
+
+
+def even_chunks(length: int, max_chunk: int) -> tuple[tuple[int, int], ...]:
+    """``length`` split into the fewest near-equal ranges of at most ``max_chunk``."""
+    count = -(-length // max_chunk)
+    size = -(-length // count)
+    return tuple((start, min(start + size, length)) for start in range(0, length, size))
+
+
+def _attend_rows_one_by_one(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    """Row i of an append of q tokens attends to the first L - q + i + 1 keys, alone: the
+    same call, on the same keys, that a one-token step at that position makes."""
+    query_len, key_len = query.shape[2], key.shape[2]
+    gqa = getattr(module, "num_key_value_groups", 1) > 1
+    rows = []
+    for row in range(query_len):
+        visible = key_len - query_len + row + 1
+        rows.append(
+            F.scaled_dot_product_attention(
+                query[:, :, row : row + 1],
+                key[:, :, :visible],
+                value[:, :, :visible],
+                scale=scaling,
+                enable_gqa=gqa,
+            )
+        )
+    return torch.cat(rows, dim=2)
 
 
 def _sdpa_shared_kv_heads(
@@ -57,6 +127,9 @@ def _sdpa_shared_kv_heads(
     if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None or dropout:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     query_len = query.shape[2]
+    if kwargs.get(ROW_EXACT_KWARG) and 1 < query_len <= ROW_EXACT_MAX_QUERY:
+        output = _attend_rows_one_by_one(module, query, key, value, scaling)
+        return output.transpose(1, 2).contiguous(), None
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(causal and attention_mask is None and query_len > 1)
     if causal and key.shape[2] > query_len:  # same convention as transformers' sdpa path
@@ -87,3 +160,7 @@ def install_fast_paths(model: torch.nn.Module) -> torch.nn.Module:
     if getattr(model.config, "_attn_implementation", None) == "sdpa":
         model.set_attn_implementation(ATTENTION_NAME)
     return model
+
+
+def uses_specrag_attention(model: torch.nn.Module) -> bool:
+    return getattr(model.config, "_attn_implementation", None) == ATTENTION_NAME

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from decoding import packs
-from decoding.fast_paths import install_fast_paths
+from decoding import dtype_choice, packs
+from decoding.fast_paths import ROW_EXACT_KWARG, install_fast_paths
 from decoding.kv import SequenceKV
 
 if TYPE_CHECKING:
@@ -33,24 +34,12 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
-def cpu_has_native_bf16() -> bool:
-    """True where the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX).
-
-    Measured on this project's AVX2-only machine (``python -m evals.bench_matmul``): a bf16
-    [9x576]x[576x1536] matmul ran at 10-15 GFLOP/s against fp32's 37-39, and a whole
-    SmolLM2-135M forward over 9 tokens took 210 ms in bf16 against 147 ms in fp32 (one
-    token: 55 vs 108 ms). There a bf16 verify costs about four decode steps and
-    speculation cannot pay, so fp32 is the faster default.
-    """
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None = None) -> torch.dtype:
-    """``auto``: bf16 on CUDA and on CPUs with native bf16 matmuls, float32 elsewhere."""
+def resolve_dtype(
+    dtype: str | torch.dtype = "auto", device: torch.device | None = None, config: Any = None
+) -> torch.dtype:
+    """``auto``: bf16 on CUDA; on a CPU, float32 without native bf16 matmuls, else the dtype
+    measured faster for this model's shapes (``decoding/dtype_choice.py``; without a config,
+    bf16)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     names = {
@@ -68,19 +57,30 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None
     if dtype != "auto":
         raise ValueError(f"unknown dtype {dtype!r}; use auto, {', '.join(names)}")
     device = device or resolve_device()
-    if device.type == "cuda" or cpu_has_native_bf16():
+    if device.type == "cuda":
         return torch.bfloat16
-    return torch.float32
+    if config is not None:
+        return dtype_choice.auto_cpu_dtype(config)
+    return torch.bfloat16 if dtype_choice.cpu_has_native_bf16() else torch.float32
 
 
 class CausalLM:
     """A causal LM (any transformers ``*ForCausalLM``) plus its tokenizer, if any."""
 
-    def __init__(self, model: Any, tokenizer: Any = None, name: str = "model", fast_paths: bool = True) -> None:
+    def __init__(
+        self, model: Any, tokenizer: Any = None, name: str = "model", fast_paths: bool = True, row_exact: bool = True
+    ) -> None:
         self.model = install_fast_paths(model.eval()) if fast_paths else model.eval()
         self.fast_paths = fast_paths
         self.tokenizer = tokenizer
         self.name = name
+        # True once the probes of decoding/batch_invariance.py showed that a verify forward
+        # gives the same logits as one-token steps, bit for bit, on this machine.
+        self.row_exact = False
+        if fast_paths and row_exact:
+            from decoding.batch_invariance import enable_row_exact
+
+            enable_row_exact(self)
 
     @property
     def config(self) -> Any:
@@ -131,7 +131,10 @@ class CausalLM:
         if not token_ids:
             raise ValueError("forward needs at least one token")
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
-        output = self.model(input_ids=ids, cache=kv.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+        exact = {ROW_EXACT_KWARG: True} if self.row_exact else {}
+        output = self.model(
+            input_ids=ids, cache=kv.cache, use_cache=True, logits_to_keep=1 if last_only else 0, **exact
+        )
         kv.record(token_ids)
         return output.logits[0].float()
 
@@ -152,17 +155,32 @@ def load_model(
     device: str = "auto",
     progress: bool = True,
     fast_paths: bool = True,
+    row_exact: bool = True,
 ) -> CausalLM:
     """Load a pack by name, a local HF folder, a ``.gguf`` file, or a hub id."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = _local_folder(str(spec), progress)
     target_device = resolve_device(device)
-    target_dtype = resolve_dtype(dtype, target_device)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=target_dtype).to(target_device)
+    config = AutoConfig.from_pretrained(path) if dtype == "auto" and target_device.type == "cpu" else None
+    target_dtype = resolve_dtype(dtype, target_device, config)
     tokenizer = AutoTokenizer.from_pretrained(path)
     name = Path(spec).name if Path(spec).exists() else str(spec)
-    return CausalLM(model, tokenizer, name=name, fast_paths=fast_paths)
+
+    def build(torch_dtype: torch.dtype) -> CausalLM:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(target_device)
+        return CausalLM(model, tokenizer, name=name, fast_paths=fast_paths, row_exact=row_exact)
+
+    lm = build(target_dtype)
+    if config is not None and target_dtype == torch.bfloat16 and fast_paths and row_exact and not lm.row_exact:
+        # "auto" promises that speculation never changes the text: bf16 logits tie often,
+        # and here a verify does not reproduce one-token steps bit for bit.
+        warnings.warn(
+            f"{name}: bf16 verification is not bit-exact on this CPU; dtype auto falls back to float32",
+            stacklevel=2,
+        )
+        lm = build(torch.float32)
+    return lm
 
 
 def _local_folder(spec: str, progress: bool) -> str:

@@ -1,11 +1,15 @@
 """Cost of one target forward over k new tokens, the term that decides whether a verify pays.
 
     python -m evals.bench_forward --model smollm2-135m --context 512 --context 4096
+    python -m evals.bench_forward --model qwen2.5-coder-1.5b --dtype float32 --dtype bfloat16 --context 512
 
-For k in {1, 2, 4, 8, 16} and each context length, median milliseconds of a forward with
-the stock transformers paths (``F.linear``, repeated KV heads, ``torch.cat`` cache) and
-with specrag's CPU fast paths (``decoding/fast_paths.py``, ``decoding/kv.py``). The two
-configurations alternate within each repeat, so machine drift hits both alike.
+For k in {1, 2, 4, 8, 9, 16}, each dtype and each context length, median milliseconds of
+a forward with the stock transformers paths (``F.linear``, repeated KV heads,
+``torch.cat`` cache), with specrag's CPU fast paths (``decoding/fast_paths.py``,
+``decoding/kv.py``), and with the fast paths in row-exact mode (``decoding/
+batch_invariance.py``; only where its probes pass on this machine). The configurations
+alternate within each repeat, so machine drift hits all alike. The ``k=9 / k=1`` column
+is what one verify of γ = 8 costs in plain steps.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 
 from decoding.model import CausalLM, load_model
 
-TOKEN_COUNTS = (1, 2, 4, 8, 16)
+TOKEN_COUNTS = (1, 2, 4, 8, 9, 16)
 
 
 def forward_ms(model: CausalLM, context: list[int], new_tokens: list[int], repeats: int) -> dict[int, float]:
@@ -38,27 +42,45 @@ def forward_ms(model: CausalLM, context: list[int], new_tokens: list[int], repea
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--dtype", action="append", help="dtypes to measure (default: auto)")
     parser.add_argument("--context", type=int, action="append", help="context lengths (default 512 and 4096)")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args(argv)
-    stock = load_model(args.model, dtype=args.dtype, fast_paths=False, progress=False)
-    fast = load_model(args.model, dtype=args.dtype, progress=False)
-    generator = torch.Generator().manual_seed(0)
-    print(f"model {args.model} ({fast.dtype}), threads {torch.get_num_threads()}, median ms per forward")
-    print("| context | paths | " + " | ".join(f"k={count}" for count in TOKEN_COUNTS) + " |")
-    print("| ---: | --- |" + " ---: |" * len(TOKEN_COUNTS))
-    for context_len in args.context or [512, 4096]:
-        tokens = torch.randint(0, fast.vocab_size, (context_len + max(TOKEN_COUNTS),), generator=generator).tolist()
-        context, new_tokens = tokens[:context_len], tokens[context_len:]
-        results: dict[str, list[dict[int, float]]] = {"stock": [], "fast": []}
-        for _ in range(2):  # alternate the two configurations
-            for name, model in (("stock", stock), ("fast", fast)):
-                results[name].append(forward_ms(model, context, new_tokens, args.repeats))
-        for name, runs in results.items():
-            cells = " | ".join(f"{statistics.median(run[count] for run in runs):.0f}" for count in TOKEN_COUNTS)
-            print(f"| {context_len} | {name} | {cells} |", flush=True)
+    print(f"model {args.model}, threads {torch.get_num_threads()}, median ms per forward")
+    print("| dtype | context | paths | " + " | ".join(f"k={count}" for count in TOKEN_COUNTS) + " | k=9 / k=1 |")
+    print("| --- | ---: | --- |" + " ---: |" * (len(TOKEN_COUNTS) + 1))
+    for dtype in args.dtype or ["auto"]:
+        configurations = _configurations(args.model, dtype)
+        for context_len in args.context or [512, 4096]:
+            _measure(configurations, context_len, args.repeats)
     return 0
+
+
+def _configurations(model: str, dtype: str) -> dict[str, CausalLM]:
+    configurations = {
+        "stock": load_model(model, dtype=dtype, fast_paths=False, progress=False),
+        "fast": load_model(model, dtype=dtype, row_exact=False, progress=False),
+    }
+    exact = load_model(model, dtype=dtype, progress=False)
+    if exact.row_exact:
+        configurations["row-exact"] = exact
+    return configurations
+
+
+def _measure(configurations: dict[str, CausalLM], context_len: int, repeats: int) -> None:
+    any_model = next(iter(configurations.values()))
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, any_model.vocab_size, (context_len + max(TOKEN_COUNTS),), generator=generator).tolist()
+    context, new_tokens = tokens[:context_len], tokens[context_len:]
+    results: dict[str, list[dict[int, float]]] = {name: [] for name in configurations}
+    for _ in range(2):  # alternate the configurations
+        for name, model in configurations.items():
+            results[name].append(forward_ms(model, context, new_tokens, repeats))
+    dtype = str(any_model.dtype).removeprefix("torch.")
+    for name, runs in results.items():
+        medians = {count: statistics.median(run[count] for run in runs) for count in TOKEN_COUNTS}
+        cells = " | ".join(f"{medians[count]:.0f}" for count in TOKEN_COUNTS)
+        print(f"| {dtype} | {context_len} | {name} | {cells} | {medians[9] / medians[1]:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

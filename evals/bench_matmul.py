@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from decoding.model import cpu_has_native_bf16
+from decoding.dtype_choice import cpu_has_native_bf16
 
 TOKENS = (1, 2, 4, 9, 17)
 

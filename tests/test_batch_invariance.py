@@ -1,0 +1,178 @@
+"""Row-exact mode and dtype "auto": what makes speculation invisible on every CPU.
+
+The probes decide by measurement, so these tests check that they measure the right
+thing (a planted break is caught) and that the choices built on them follow both CPU
+kinds' outcomes (flags and measurements monkeypatched), whatever machine runs the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from decoding import batch_invariance, dtype_choice, fast_paths
+from decoding.batch_invariance import enable_row_exact, find_row_exact_chunking, verify_matches_steps
+from decoding.dtype_choice import DtypeCost, auto_cpu_dtype, cached_costs, choose, linear_shapes
+from decoding.fast_paths import SkinnyLinear, even_chunks
+from decoding.model import load_model, resolve_dtype
+from tests.conftest import tiny_causal_lm
+
+DTYPES = (torch.bfloat16, torch.float64, torch.float32)
+
+
+def test_even_chunks_cover_the_range_in_near_equal_parts() -> None:
+    assert even_chunks(8960, 4096) == ((0, 2987), (2987, 5974), (5974, 8960))
+    assert even_chunks(4864, 4096) == ((0, 2432), (2432, 4864))
+    assert even_chunks(100, 4096) == ((0, 100),)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_chunked_product_is_the_same_sum(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    layer = _random_linear(300, 7, dtype, generator, bias=True)
+    x = torch.randn(5, 300, generator=generator).to(dtype)
+    reference = x.double() @ layer.weight.double().T + layer.bias.double()
+    layer.k_chunks = even_chunks(300, 128)
+    tolerance = 1e-12 if dtype == torch.float64 else 0.1
+    assert torch.allclose(layer(x).double(), reference, atol=tolerance)
+
+
+def test_the_linear_probe_catches_a_row_dependent_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    layer = _random_linear(64, 16, torch.float64, torch.Generator().manual_seed(1))
+    real_product = SkinnyLinear._product
+
+    def planted(self: SkinnyLinear, rows: torch.Tensor) -> torch.Tensor:  # rounds only in a batch
+        out = real_product(self, rows)
+        return out if rows.shape[0] == 1 else out + 1e-9
+
+    monkeypatch.setattr(SkinnyLinear, "_product", planted)
+    assert find_row_exact_chunking(layer) is None and layer.k_chunks == ()
+
+
+def test_per_row_attention_is_the_one_row_call_on_the_visible_keys() -> None:
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 4, 5, 8, generator=generator)
+    key, value = torch.randn(1, 2, 12, 8, generator=generator), torch.randn(1, 2, 12, 8, generator=generator)
+    module = torch.nn.Module()
+    module.num_key_value_groups = 2
+    rows, _ = fast_paths._sdpa_shared_kv_heads(module, query, key, value, None, **{fast_paths.ROW_EXACT_KWARG: True})
+    for row in range(5):
+        visible = 12 - 5 + row + 1  # the cache before the append, then the new rows up to this one
+        alone, _ = fast_paths._sdpa_shared_kv_heads(
+            module, query[:, :, row : row + 1], key[:, :, :visible], value[:, :, :visible], None
+        )
+        assert torch.equal(rows[:, row], alone[:, 0])
+
+
+def test_the_model_probe_catches_wrong_per_row_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    candidates = (tiny_causal_lm(vocab_size=64, seed=3, hidden_size=128, dtype=dtype) for dtype in DTYPES)
+    lm = next((candidate for candidate in candidates if candidate.row_exact), None)
+    if lm is None:
+        pytest.skip("no dtype's GEMMs are row-exact on this CPU: the planted break would not be the only one")
+    assert verify_matches_steps(lm)
+
+    def sees_one_key_too_few(module, query, key, value, scaling):  # type: ignore[no-untyped-def]
+        return original(module, query, key[:, :, :-1], value[:, :, :-1], scaling)
+
+    original = fast_paths._attend_rows_one_by_one
+    monkeypatch.setattr(fast_paths, "_attend_rows_one_by_one", sees_one_key_too_few)
+    assert not verify_matches_steps(lm)
+    lm.row_exact = False
+    assert not enable_row_exact(lm) and not lm.row_exact  # a failed probe leaves the model as it was
+    assert all(layer.k_chunks == () and layer.min_rows == 1 for layer in _linears(lm.model))
+
+
+def test_native_bf16_cpus_get_a_row_exact_smollm2() -> None:
+    if not dtype_choice.cpu_has_native_bf16():
+        pytest.skip("this CPU has no native bf16: dtype auto is float32 here")
+    lm = load_model("smollm2-135m", dtype="bfloat16", progress=False)
+    assert lm.row_exact and verify_matches_steps(lm, seed=2)
+
+
+# -- dtype "auto" -------------------------------------------------------------------------
+
+
+def _costs(bf16_cycle: float, bf16_exact: bool = True) -> list[DtypeCost]:
+    return [DtypeCost("float32", 0.5, 0.5, False), DtypeCost("bfloat16", bf16_cycle / 2, bf16_cycle / 2, bf16_exact)]
+
+
+def test_choose_takes_the_cheaper_cycle_among_exact_dtypes() -> None:
+    assert choose(_costs(0.6)) is torch.bfloat16
+    assert choose(_costs(1.4)) is torch.float32
+    assert choose(_costs(0.6, bf16_exact=False)) is torch.float32  # faster, but it would change the text
+
+
+def test_auto_is_float32_without_native_bf16_and_measures_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dtype_choice, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(dtype_choice, "measure", _must_not_measure)
+    assert auto_cpu_dtype(_tiny_config()) is torch.float32
+    assert resolve_dtype("auto", torch.device("cpu")) is torch.float32
+
+
+def test_auto_follows_the_measurement_with_native_bf16(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SPECRAG_CACHE", str(tmp_path))
+    monkeypatch.setattr(dtype_choice, "cpu_has_native_bf16", lambda: True)
+    calls = []
+
+    def fake_measure(config: object, dtype: torch.dtype) -> DtypeCost:
+        calls.append(dtype)
+        return _costs(0.6)[0] if dtype == torch.float32 else _costs(0.6)[1]
+
+    monkeypatch.setattr(dtype_choice, "measure", fake_measure)
+    assert auto_cpu_dtype(_tiny_config()) is torch.bfloat16
+    assert auto_cpu_dtype(_tiny_config()) is torch.bfloat16
+    assert calls == [torch.float32, torch.bfloat16]  # measured once, then read from the cache
+    table = json.loads((tmp_path / "dtype_choice.json").read_text())
+    assert [entry["dtype"] for entry in next(iter(table.values()))] == ["float32", "bfloat16"]
+    assert resolve_dtype("auto", torch.device("cpu")) is torch.bfloat16  # no config: the flag
+    assert resolve_dtype("auto", torch.device("cuda")) is torch.bfloat16
+
+
+def test_the_real_measurement_runs_on_small_shapes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("SPECRAG_CACHE", str(tmp_path))
+    costs = cached_costs(_tiny_config())
+    assert [cost.dtype for cost in costs] == ["float32", "bfloat16"]
+    assert all(cost.step_seconds > 0 and cost.verify_seconds > 0 for cost in costs)
+    assert sum(count for _, _, count in linear_shapes(_tiny_config())) == 7 * 2 + 1
+
+
+def test_auto_falls_back_to_float32_when_bf16_verification_is_not_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dtype_choice, "auto_cpu_dtype", lambda config: torch.bfloat16)
+    monkeypatch.setattr(batch_invariance, "verify_matches_steps", lambda lm, seed=0: False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lm = load_model("smollm2-135m", dtype="auto", progress=False)
+    assert lm.dtype == torch.float32 and not lm.row_exact
+    assert any("falls back to float32" in str(warning.message) for warning in caught)
+    explicit = load_model("smollm2-135m", dtype="bfloat16", progress=False)  # asked for: kept, near-exact
+    assert explicit.dtype == torch.bfloat16 and not explicit.row_exact
+
+
+def _random_linear(
+    in_features: int, out_features: int, dtype: torch.dtype, generator: torch.Generator, bias: bool = False
+) -> SkinnyLinear:
+    layer = torch.nn.utils.skip_init(SkinnyLinear, in_features, out_features, bias=bias, dtype=dtype)
+    with torch.no_grad():
+        for parameter in layer.parameters():
+            parameter.uniform_(-1, 1, generator=generator)
+    return layer
+
+
+def _must_not_measure(config: object, dtype: torch.dtype) -> DtypeCost:
+    raise AssertionError("measured although the CPU has no native bf16")
+
+
+def _tiny_config() -> object:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+    )
+
+
+def _linears(model: torch.nn.Module) -> list[SkinnyLinear]:
+    return [module for module in model.modules() if isinstance(module, SkinnyLinear)]
