@@ -35,6 +35,7 @@ from agent.trace import SpeculationCycle, Trace, Tracer
 from decoding.request import GenerationEvent, GenerationRequest
 from decoding.sampling import SamplingParams
 from decoding.stats import GenerationStats
+from retrieval.reflow import lookup_texts
 from tools import (
     InvalidArgumentsError,
     ToolCall,
@@ -197,8 +198,9 @@ class AgentLoop:
             looked_up = {passage_id for passage_id, _ in run.lookup}
             for passage in passages:
                 if passage.id not in looked_up:
-                    ids = self.tokenizer(passage.text, add_special_tokens=False)["input_ids"]
-                    run.lookup.append((passage.id, list(ids)))
+                    for text in lookup_texts(passage.text):
+                        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                        run.lookup.append((passage.id, list(ids)))
             span.set_attributes(
                 {
                     "embed_ms": timings.embed_s * 1000,

@@ -8,6 +8,10 @@ and earlier assistant tool calls written back in the project's call format
 grammar: tools with ``tool_choice`` auto (a call or text), required (a call), a named
 function (a call to it), none (no tools); ``response_format`` json_object / json_schema.
 Tools and a JSON ``response_format`` together are refused: one grammar cannot be both.
+A response that claims completion (``finish_reason`` stop or tool_calls) is validated
+against the caller's schema before it is returned (``tools/schema_check.py``): a failure
+is a bug on the constrained path, answered 500 (or an ``error`` event in a stream) and
+logged with the schema and the text, never returned as a valid answer.
 
 ``ChatRun`` runs the request through ``agent.generate`` (the worker) and yields text pieces.
 Stop strings (``stop``) are matched in the decoded text, which is exact whatever the
@@ -29,17 +33,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.api_models import ChatCompletionRequest, ServerLimits, ToolDefinition
-from agent.errors import ApiError, invalid
+from agent.errors import ApiError, invalid, logger
 from agent.metrics import ServerMetrics
 from agent.prompt import PromptParts, encode_messages, system_message
 from agent.results import speculation_summary
 from agent.stream import IncrementalDecoder
 from decoding.grammar import Grammar
-from decoding.grammar_compile import UnsupportedSchemaError, check_schema
+from decoding.grammar_compile import UnsupportedSchemaError, enforceable_schema
 from decoding.request import GenerationRequest
 from decoding.sampling import SamplingParams
 from decoding.stats import GenerationStats
 from tools import parse_tool_call
+from tools.schema_check import SchemaViolation, validate_json_text, validate_value
 
 DEFAULT_TOOL_SYSTEM = "You are a helpful assistant."
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -52,6 +57,8 @@ class ChatPlan:
     request: GenerationRequest
     tool_names: list[str]  # tools the output may call (empty: plain text or JSON)
     stops: list[str]
+    response_schema: dict[str, Any] | None = None  # what a finished text answer must validate against
+    tool_parameters: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> parameters schema
     completion_id: str = field(default_factory=lambda: f"chatcmpl-{secrets.token_hex(12)}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -94,7 +101,18 @@ def plan_chat(agent: Any, body: ChatCompletionRequest, limits: ServerLimits) -> 
         stop_sequences=_stop_token_sequences(tokenizer, stops),
         grammar=grammar,
     )
-    return ChatPlan(body, prompt, request, tool_names, stops)
+    parameters = {tool.function.name: tool.function.parameters or EMPTY_PARAMETERS for tool in tools}
+    return ChatPlan(body, prompt, request, tool_names, stops, _response_schema(body, tools), parameters)
+
+
+def _response_schema(body: ChatCompletionRequest, tools: list[ToolDefinition]) -> dict[str, Any] | None:
+    response_format = body.response_format
+    if tools or response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return {"type": "object"}
+    assert response_format.json_schema is not None and response_format.json_schema.schema is not None
+    return response_format.json_schema.schema
 
 
 def _active_tools(body: ChatCompletionRequest) -> list[ToolDefinition]:
@@ -116,7 +134,7 @@ def _active_tools(body: ChatCompletionRequest) -> list[ToolDefinition]:
         raise invalid("response_format", "response_format cannot be combined with tools (use tool_choice none)")
     for index, tool in enumerate(tools):
         try:
-            check_schema(tool.function.parameters or EMPTY_PARAMETERS)
+            enforceable_schema(tool.function.parameters or EMPTY_PARAMETERS)
         except UnsupportedSchemaError as error:
             raise invalid(f"tools[{index}].function.parameters", str(error)) from None
         except (TypeError, AttributeError, ValueError):
@@ -283,20 +301,39 @@ class ChatRun:
                 self.metrics.observe_stats(self.stats)
 
     def message(self) -> tuple[dict[str, Any], str]:
-        """The assistant message and finish reason, once the pieces are exhausted."""
+        """The assistant message and finish reason, once the pieces are exhausted; an answer
+        that claims completion is validated against its schema first."""
         if self.plan.tool_names and self.text.lstrip().startswith("{"):
             try:
                 call = parse_tool_call(self.text)
             except ValueError:
                 call = None  # cut short by max_tokens or a stop: it stays text
             if call is not None and call.name in self.plan.tool_names:
+                self._validated(lambda: validate_value(call.arguments, self.plan.tool_parameters[call.name]))
                 tool_call = {
                     "id": f"call_{secrets.token_hex(12)}",
                     "type": "function",
                     "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
                 }
                 return {"role": "assistant", "content": None, "tool_calls": [tool_call]}, "tool_calls"
+        schema = self.plan.response_schema
+        if schema is not None and self.finish_reason == "stop":
+            self._validated(lambda: validate_json_text(self.text, schema))
         return {"role": "assistant", "content": self.text}, self.finish_reason
+
+    def _validated(self, check: Any) -> None:
+        try:
+            check()
+        except SchemaViolation as violation:
+            logger.error(
+                "BUG: a constrained answer failed validation against its schema: %s\nschema: %s\nanswer: %r",
+                violation,
+                json.dumps(self.plan.response_schema or self.plan.tool_parameters),
+                self.text,
+            )
+            raise ApiError(
+                500, f"the answer failed validation against its schema: {violation}", type="internal_error"
+            ) from None
 
     def usage(self) -> dict[str, Any]:
         prompt_tokens = len(self.plan.prompt)

@@ -302,6 +302,8 @@ async def _chat_sse(first: dict[str, Any], chunks: AsyncIterator[dict[str, Any]]
                 yield json.dumps(chunk)
         except (QueueFull, WorkerStopped) as error:
             yield json.dumps(error_body("overloaded_error", str(error)))
+        except ApiError as error:  # e.g. an answer that failed its schema (logged where raised)
+            yield json.dumps(error_body(error.type, error.message))
         except Exception:
             logger.exception("chat completion stream failed")
             yield json.dumps(error_body("internal_error", "internal error"))

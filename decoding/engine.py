@@ -82,7 +82,7 @@ class Engine:
         draft: CausalLM | None = None,
         *,
         default_drafter: DrafterKind | None = None,
-        min_ngram: int = 2,
+        min_ngram: int = 1,
         max_ngram: int = 4,
         policy: PolicyConfig | None = None,
         cost_model: CostModel | None = None,
@@ -106,6 +106,7 @@ class Engine:
         self._eos_ids = frozenset(target.eos_token_ids())
         self._active: dict[int, _Sequence] = {}
         self._ids = itertools.count()
+        self._shared_acceptance: dict[str, policies.AcceptanceEstimate] = {}
 
     # -- public API ---------------------------------------------------------------------
 
@@ -124,6 +125,7 @@ class Engine:
             self.policy_config,
             self.cost_model,
             supported=speculation_supported(request),
+            shared=self._shared_acceptance,
         )
         grammar = GrammarState(request.grammar, stop_ids, self.target.vocab_size) if request.grammar else None
         self._active[seq_id] = _Sequence(

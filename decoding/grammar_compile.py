@@ -6,9 +6,12 @@ to one of several tools, optionally or-else free text (the final answer). Tool c
 ``json.dumps`` separators (``", "`` and ``": "``) and no free whitespace, which is how
 chat models write JSON and keeps the grammar's forced continuations long.
 
-JSON-schema keywords that xgrammar 0.2.9 parses but does not enforce (measured: a
-violating document is accepted) are refused with an error naming the keyword and where
-it is, rather than silently producing output that fails validation.
+Every schema is first rewritten by ``decoding/schema_normalize.py`` (siblings of anyOf
+distributed, allOf merged, local refs resolved, oneOf and if/then/else translated where
+exact), because xgrammar 0.2.9 silently drops those shapes. JSON-schema keywords that
+xgrammar parses but does not enforce (measured: a violating document is accepted) are
+refused with an error naming the keyword and where it is, rather than silently producing
+output that fails validation.
 """
 
 from __future__ import annotations
@@ -16,78 +19,18 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import xgrammar as xgr
 
 from decoding.grammar import Grammar
+from decoding.schema_merge import UnsupportedSchemaError
+from decoding.schema_support import check_schema, enforceable_schema
 
-# Parsed but not enforced by xgrammar 0.2.9 (see tests/test_grammar_compile.py).
-UNSUPPORTED_KEYWORDS = frozenset(
-    {
-        "not",
-        "if",
-        "then",
-        "else",
-        "uniqueItems",
-        "contains",
-        "minContains",
-        "maxContains",
-        "dependentRequired",
-        "dependentSchemas",
-        "dependencies",
-        "unevaluatedProperties",
-        "unevaluatedItems",
-        "$dynamicRef",
-        "$dynamicAnchor",
-    }
-)
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames", "additionalItems")
+__all__ = ["GrammarCompiler", "UnsupportedSchemaError", "check_schema", "enforceable_schema"]
+
 _TEXT_ANSWER_EBNF = "root ::= [^{] [^]*"  # anything that does not open a JSON object
-
-
-class UnsupportedSchemaError(ValueError):
-    """A JSON schema uses a feature the grammar cannot enforce."""
-
-    def __init__(self, feature: str, path: str, why: str = "the grammar cannot enforce it") -> None:
-        super().__init__(f"unsupported JSON schema feature {feature!r} at {path}: {why}")
-        self.feature = feature
-        self.path = path
-
-
-def check_schema(schema: Any, path: str = "#") -> None:
-    """Raise UnsupportedSchemaError for the first feature the grammar would not enforce."""
-    for node_path, node in _subschemas(schema, path):
-        for keyword in sorted(UNSUPPORTED_KEYWORDS & node.keys()):
-            raise UnsupportedSchemaError(keyword, node_path)
-        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
-            raise UnsupportedSchemaError("allOf", node_path, "only a single-entry allOf is supported")
-
-
-def _subschemas(schema: Any, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    if not isinstance(schema, dict):
-        return
-    yield path, schema
-    for key in _SCHEMA_MAPS:
-        mapping = schema.get(key, {})
-        if not isinstance(mapping, dict):  # e.g. "properties": 5: not a schema xgrammar could read
-            raise UnsupportedSchemaError(key, path, f"{key} must be an object of schemas")
-        for name, sub in mapping.items():
-            yield from _subschemas(sub, f"{path}/{key}/{name}")
-    for key in _SCHEMA_LISTS:
-        items = schema.get(key, [])
-        if not isinstance(items, list):
-            raise UnsupportedSchemaError(key, path, f"{key} must be an array of schemas")
-        for index, sub in enumerate(items):
-            yield from _subschemas(sub, f"{path}/{key}/{index}")
-    for key in _SCHEMA_VALUES:
-        value = schema.get(key)
-        subs = value if isinstance(value, list) else [value]
-        for index, sub in enumerate(subs):
-            yield from _subschemas(sub, f"{path}/{key}" + (f"/{index}" if isinstance(value, list) else ""))
 
 
 def canonical_json(value: Any) -> str:
@@ -167,9 +110,8 @@ class GrammarCompiler:
         parsed = json.loads(schema) if isinstance(schema, str) else schema
         if not isinstance(parsed, dict):
             raise UnsupportedSchemaError("schema", "#", "a JSON schema must be an object")
-        check_schema(parsed)
         key = "json_schema:" + canonical_json(parsed)
-        return self._cached(key, lambda: self._from_schema(parsed))
+        return self._cached(key, lambda: self._from_schema(enforceable_schema(parsed)))
 
     def json_object(self) -> Grammar:
         """Any JSON object (OpenAI's ``response_format: json_object``)."""
@@ -190,9 +132,13 @@ class GrammarCompiler:
         """One call to one of ``tools`` (name, parameters schema), or else free text."""
         if not tools:
             raise ValueError("tool_calls needs at least one tool")
+        normalized = []
         for name, parameters in tools:
-            check_schema(parameters, f"#/tools/{name}")
-        calls = tool_choice_schema(tools)
+            try:
+                normalized.append((name, enforceable_schema(parameters)))
+            except UnsupportedSchemaError as error:
+                raise error.under(f"#/tools/{name}") from None
+        calls = tool_choice_schema(normalized)
         key = f"tool_calls:text={allow_text}:" + canonical_json(calls)
 
         def build() -> xgr.Grammar:

@@ -36,6 +36,7 @@ NO_PROPOSAL = "no_proposal"  # the drafter had nothing to offer
 GRAMMAR_REJECTED = "grammar_rejected"  # the grammar rejected the first candidate
 
 FORWARD_TOKEN_COUNTS = (1, 2, 4, 8, 16)
+SOURCE_KINDS = frozenset({"output", "prompt", "model", "grammar"})  # every other source is a passage
 
 
 class CostModel:
@@ -116,7 +117,7 @@ def timed(function: Callable[[], object]) -> float:
 
 @dataclass
 class PolicyConfig:
-    max_gamma: int = 8  # most draft tokens auto will verify at once
+    max_gamma: int = 16  # most draft tokens auto will verify at once (the cost model says how many pay)
     acceptance_prior: float = 0.8  # optimistic start (measured best on rag_quote); the first cycles correct it
     acceptance_decay: float = 0.3  # EWMA weight of the newest observation
     probe_interval: int = 8  # declined cycles before a probe re-measures acceptance
@@ -127,23 +128,38 @@ class PolicyConfig:
 
 @dataclass
 class AcceptanceEstimate:
-    """Per-position acceptance, conditional on the earlier positions being accepted."""
+    """Per-position acceptance, conditional on the earlier positions being accepted.
+
+    Positions never observed (γ has not reached them yet) take ``continuation``, the pooled
+    acceptance of every observed position after the first, once there is one: a copied
+    passage that has matched for a few tokens tends to go on matching, so the rate seen at
+    positions 2..γ says more about position γ + 1 than the prior does. Without it the
+    policy could never learn that a γ beyond the positions it has tried would pay.
+    """
 
     prior: float
     decay: float
     rates: list[float] = field(default_factory=list)
     declined: int = 0  # consecutive cycles the policy chose γ = 0 for this source
+    continuation: float | None = None
 
     def rate(self, position: int) -> float:
-        return self.rates[position] if position < len(self.rates) else self.prior
+        if position < len(self.rates):
+            return self.rates[position]
+        if position > 0 and self.continuation is not None:
+            return self.continuation
+        return self.prior
 
     def observe(self, gamma: int, accepted_len: int) -> None:
         # Positions up to the first rejection were observed; later ones were not.
         for position in range(min(accepted_len + 1, gamma)):
             if position >= len(self.rates):
-                self.rates.append(self.prior)
+                self.rates.append(self.rate(position))
             seen = 1.0 if position < accepted_len else 0.0
             self.rates[position] = (1 - self.decay) * self.rates[position] + self.decay * seen
+            if position > 0:
+                previous = self.prior if self.continuation is None else self.continuation
+                self.continuation = (1 - self.decay) * previous + self.decay * seen
 
     def expected_committed(self, gamma: int) -> float:
         expected, survive = 1.0, 1.0
@@ -151,6 +167,14 @@ class AcceptanceEstimate:
             survive *= self.rate(position)
             expected += survive
         return expected
+
+    def copy(self) -> AcceptanceEstimate:
+        return AcceptanceEstimate(self.prior, self.decay, list(self.rates), 0, self.continuation)
+
+
+def source_kind(source: str) -> str:
+    """What a shared estimate is kept for: passages are named by the caller, one kind."""
+    return source if source in SOURCE_KINDS else "passage"
 
 
 def best_gamma(
@@ -177,19 +201,32 @@ class RequestPolicy:
     """The per-request state of the policy: mode, acceptance estimates, probe counters."""
 
     def __init__(
-        self, mode: Speculation, fixed_gamma: int, config: PolicyConfig, cost: CostModel | None, supported: bool = True
+        self,
+        mode: Speculation,
+        fixed_gamma: int,
+        config: PolicyConfig,
+        cost: CostModel | None,
+        supported: bool = True,
+        shared: dict[str, AcceptanceEstimate] | None = None,
     ) -> None:
         self.mode = mode
         self.fixed_gamma = fixed_gamma
         self.config = config
         self.cost = cost
         self.supported = supported
+        # The engine's estimates per source kind, carried across requests: a new request
+        # starts from what earlier ones measured instead of the prior, and updates them.
+        self.shared = shared
         self._estimates: dict[str, AcceptanceEstimate] = {}
 
     def estimate(self, source: str) -> AcceptanceEstimate:
         if source not in self._estimates:
-            self._estimates[source] = AcceptanceEstimate(self.config.acceptance_prior, self.config.acceptance_decay)
+            known = self.shared.get(source_kind(source)) if self.shared is not None else None
+            self._estimates[source] = known.copy() if known is not None else self._fresh_estimate()
         return self._estimates[source]
+
+    def _fresh_estimate(self) -> AcceptanceEstimate:
+        return AcceptanceEstimate(self.config.acceptance_prior, self.config.acceptance_decay)
 
     def plan(self, remaining_tokens: int, active_sequences: int) -> Decision:
         """Gates that apply whatever the drafter; returns the most tokens worth drafting."""
@@ -235,6 +272,8 @@ class RequestPolicy:
 
     def observe(self, source: str, gamma: int, accepted_len: int) -> None:
         self.estimate(source).observe(gamma, accepted_len)
+        if self.shared is not None:
+            self.shared.setdefault(source_kind(source), self._fresh_estimate()).observe(gamma, accepted_len)
 
     def short_output_threshold(self, setup_tokens: int, override: int | None = None) -> int:
         """Fewest tokens still to produce for speculation to pay back the drafter's set-up:
@@ -244,7 +283,7 @@ class RequestPolicy:
                 return configured
         if setup_tokens == 0 or self.cost is None or self.cost.draft_prefill_token_seconds <= 0:
             return 0
-        prior = AcceptanceEstimate(self.config.acceptance_prior, self.config.acceptance_decay)
+        prior = self._fresh_estimate()
         gamma, rate = best_gamma(prior, self.cost, self.cost.draft_token_seconds, self.config.max_gamma)
         saving_per_token = self.cost.forward_seconds(1) - 1.0 / rate
         if gamma == 0 or saving_per_token <= 0:

@@ -130,7 +130,7 @@ def test_short_output_gate_spares_a_model_drafter_its_prefill() -> None:
     request = GenerationRequest(
         repetitive_prompt(13, 40), max_tokens=6, stop_token_ids=[], min_tokens_for_speculation=16
     )
-    engine = Engine(TARGET, POOR_DRAFT, cost_model=FROZEN_COSTS, debug=True)
+    engine = Engine(TARGET, POOR_DRAFT, default_drafter="model", cost_model=FROZEN_COSTS, debug=True)
     output, final = run(engine, request)
     assert output == plain_reference(list(request.prompt_tokens), 6)
     assert final.stats.speculation_off_reasons["short_output"] == 4  # then max_tokens for the last

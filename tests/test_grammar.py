@@ -264,12 +264,14 @@ def test_grammars_are_compiled_once_per_canonical_schema(compiler: GrammarCompil
 @pytest.mark.parametrize(
     ("schema", "feature", "path"),
     [
-        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", "#"),
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "minItems": 2}, "uniqueItems", "#"),
         ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "not", "#/properties/a"),
         ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}, "if", "#"),
         ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "contains", "#"),
-        ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired", "#"),
-        ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "allOf", "#"),
+        ({"allOf": [{"pattern": "^a"}, {"pattern": "b$"}]}, "allOf", "#/allOf/1"),
+        ({"type": "string", "pattern": "^(?!x)a+$"}, "pattern", "#"),
+        ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "pattern", "#"),
+        ({"type": "number", "multipleOf": 0.5}, "multipleOf", "#"),
         ({"type": "teapot"}, "schema", "#"),
     ],
 )

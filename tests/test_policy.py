@@ -98,7 +98,7 @@ def test_short_output_gate_spares_a_costly_drafter(setup: int, override: int | N
 
 
 def test_gates_stay_open_when_nothing_applies() -> None:
-    assert make_policy(max_active_sequences=2).plan(50, 2) == policy.Decision(8)
+    assert make_policy(max_active_sequences=2).plan(50, 2) == policy.Decision(16)
     assert make_policy().for_costly_drafter("draft_model", 4, 0.01, 100, remaining_tokens=500).gamma > 0
     assert make_policy("on").plan(3, 1) == policy.Decision(2)  # capped by max_tokens only
 
@@ -131,3 +131,28 @@ def test_on_mode_verifies_every_proposal() -> None:
     for _ in range(10):
         request_policy.observe("output", 4, 0)
     assert request_policy.for_draft("output", 3) == policy.Decision(3)
+
+
+def test_unseen_positions_follow_the_pooled_continuation_rate() -> None:
+    estimate = AcceptanceEstimate(prior=0.5, decay=0.5)
+    assert estimate.rate(12) == 0.5  # nothing seen: the prior
+    estimate.observe(gamma=8, accepted_len=8)  # a long copy
+    assert estimate.continuation is not None and estimate.continuation > 0.9
+    assert estimate.rate(12) == estimate.continuation  # beyond anything tried so far
+    flat = CostModel({1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.2})  # verifying is cheap here
+    assert best_gamma(estimate, flat, 0.0, 16)[0] == 16
+    estimate.observe(gamma=8, accepted_len=0)  # the first position alone says nothing of the rest
+    assert estimate.continuation > 0.9 and estimate.rates[0] < 1.0
+
+
+def test_a_new_request_starts_from_what_earlier_requests_measured() -> None:
+    shared: dict[str, AcceptanceEstimate] = {}
+    first = RequestPolicy("auto", 4, PolicyConfig(), CostModel(COSTS), shared=shared)
+    for _ in range(10):
+        first.observe("P3", 8, 0)  # passages kept failing
+    assert set(shared) == {"passage"}
+    second = RequestPolicy("auto", 4, PolicyConfig(), CostModel(COSTS), shared=shared)
+    assert second.estimate("P7").rate(0) == pytest.approx(shared["passage"].rate(0))  # any passage: one kind
+    assert second.estimate("P7").rate(0) < 0.1 and second.estimate("output").rate(0) == PolicyConfig().acceptance_prior
+    second.observe("P7", 8, 8)
+    assert second.estimate("P7").rate(0) > shared["passage"].rate(0) - 1e-9  # both moved, the copy is its own

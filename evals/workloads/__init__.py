@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from evals.prompts import SYSTEM, corpus_passage
+from retrieval.reflow import lookup_texts
 
 FOLDER = Path(__file__).resolve().parent
 
@@ -27,7 +28,7 @@ FOLDER = Path(__file__).resolve().parent
 @dataclass(frozen=True)
 class Encoded:
     prompt: list[int]
-    passages: list[list[int]]  # every passage, shown or not, for prompt lookup
+    passages: list[list[int]]  # every passage, shown or not, for prompt lookup (reflowed variants too)
     passage_names: list[str]
     shown_passages: int
     constraint: dict[str, Any] | None = None
@@ -81,8 +82,7 @@ class Workload:
     def encode(self, tokenizer: Any, context_limit: int) -> Encoded:
         """Token ids of the prompt (passages shown while they fit) and of every passage."""
         texts = self.passages()
-        passage_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
-        total = sum(len(ids) for ids in passage_ids)
+        total = sum(len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts)
         if total < self.min_passage_tokens:
             raise ValueError(
                 f"workload {self.name}: passages hold {total} tokens, fewer than {self.min_passage_tokens}"
@@ -93,7 +93,9 @@ class Workload:
         while len(prompt) > budget and shown > 0:
             shown -= 1
             prompt = _chat_ids(tokenizer, self.messages(texts[:shown]))
-        names = [f"P{index}" for index in range(1, len(texts) + 1)]
+        variants = [(f"P{index}", variant) for index, text in enumerate(texts, 1) for variant in lookup_texts(text)]
+        passage_ids = [tokenizer(variant, add_special_tokens=False)["input_ids"] for _, variant in variants]
+        names = [name for name, _ in variants]
         return Encoded(prompt, passage_ids, names, shown, self.grammar_spec())
 
 
