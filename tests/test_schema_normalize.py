@@ -177,8 +177,8 @@ STRICTER = {
         "oneOf": [{"required": ["length"]}, {"required": ["width"]}],
     },
     "uniqueItems capped at one item": {"type": "array", "uniqueItems": True},
-    "not of a required name": {"type": "object", "properties": {"radius": {}, "name": {}}, "not": {"required": ["name"]}},
-    "dependencies": {"type": "object", "properties": {"radius": {}, "width": {}}, "dependencies": {"radius": ["width"]}},
+    "not of a required name": {"type": "object", "properties": {"name": {}}, "not": {"required": ["name"]}},
+    "dependencies": {"type": "object", "properties": {"radius": {}}, "dependencies": {"radius": ["width"]}},
     "if on an optional property": {
         "type": "object",
         "properties": {"kind": {"enum": ["circle", "square"]}, "radius": {}},
