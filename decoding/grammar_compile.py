@@ -20,6 +20,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import xgrammar as xgr
@@ -28,9 +29,84 @@ from decoding.grammar import Grammar
 from decoding.schema_merge import UnsupportedSchemaError
 from decoding.schema_support import check_schema, enforceable_schema
 
-__all__ = ["GrammarCompiler", "UnsupportedSchemaError", "check_schema", "enforceable_schema"]
+__all__ = [
+    "BARE_CALLS",
+    "CallSyntax",
+    "GrammarCompiler",
+    "UnsupportedSchemaError",
+    "check_schema",
+    "enforceable_schema",
+]
 
 _TEXT_ANSWER_EBNF = "root ::= [^{] [^]*"  # anything that does not open a JSON object
+
+
+@dataclass(frozen=True)
+class CallSyntax:
+    """How a model writes tool calls around their JSON ``{"name": ..., "arguments": ...}``:
+    bare (the JSON alone, one call), or between tags as Qwen's and Hermes' chat templates
+    ask (``<tool_call>\n{...}\n</tool_call>``, several in one turn, one per line)."""
+
+    open: str = ""
+    close: str = ""
+    separator: str = "\n"
+    max_calls: int = 1
+
+
+BARE_CALLS = CallSyntax()
+
+
+def _literal(text: str) -> xgr.Grammar:
+    return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
+
+
+def _tagged_calls(call: xgr.Grammar, syntax: CallSyntax) -> xgr.Grammar:
+    """1..max_calls tagged calls, one after another."""
+    tagged = xgr.Grammar.concat(_literal(syntax.open), call, _literal(syntax.close))
+    then_another = xgr.Grammar.concat(_literal(syntax.separator), tagged)
+    sequences = [tagged]
+    for _ in range(syntax.max_calls - 1):
+        sequences.append(xgr.Grammar.concat(sequences[-1], then_another))
+    return xgr.Grammar.union(*sequences) if len(sequences) > 1 else tagged
+
+
+def _text_answer(syntax: CallSyntax) -> xgr.Grammar:
+    if not syntax.open:
+        return xgr.Grammar.from_ebnf(_TEXT_ANSWER_EBNF)
+    return xgr.Grammar.from_ebnf(text_without_ebnf(syntax.open.strip()))
+
+
+def text_without_ebnf(forbidden: str) -> str:
+    """EBNF of non-empty text that never contains ``forbidden``: a substring-avoiding
+    automaton (Knuth-Morris-Pratt states: how much of ``forbidden`` the text ends with)."""
+    size = len(forbidden)
+    failure = [0] * size
+    matched = 0
+    for index in range(1, size):
+        while matched and forbidden[index] != forbidden[matched]:
+            matched = failure[matched - 1]
+        matched += forbidden[index] == forbidden[matched]
+        failure[index] = matched
+
+    def advance(state: int, char: str) -> int:
+        while state and forbidden[state] != char:
+            state = failure[state - 1]
+        return state + 1 if forbidden[state] == char else 0
+
+    alphabet = sorted(set(forbidden))
+    others = "[^" + "".join(_class_char(char) for char in alphabet) + "]"
+
+    def moves(state: int) -> list[str]:
+        steps = [f"{json.dumps(char)} s{advance(state, char)}" for char in alphabet if advance(state, char) < size]
+        return [*steps, f"{others} s0"]
+
+    rules = [f"root ::= {' | '.join(moves(0))}"]
+    rules += [f's{state} ::= "" | {" | ".join(moves(state))}' for state in range(size)]
+    return "\n".join(rules)
+
+
+def _class_char(char: str) -> str:
+    return "\\" + char if char in "\\]^-[" else char
 
 
 def canonical_json(value: Any) -> str:
@@ -128,8 +204,11 @@ class GrammarCompiler:
 
         return self._cached(f"ebnf:{root}:{source}", build)
 
-    def tool_calls(self, tools: Sequence[tuple[str, dict[str, Any]]], *, allow_text: bool) -> Grammar:
-        """One call to one of ``tools`` (name, parameters schema), or else free text."""
+    def tool_calls(
+        self, tools: Sequence[tuple[str, dict[str, Any]]], *, allow_text: bool, syntax: CallSyntax = BARE_CALLS
+    ) -> Grammar:
+        """Calls to ``tools`` (name, parameters schema) written in ``syntax``, or else free
+        text that cannot be read as a call."""
         if not tools:
             raise ValueError("tool_calls needs at least one tool")
         normalized = []
@@ -139,13 +218,19 @@ class GrammarCompiler:
             except UnsupportedSchemaError as error:
                 raise error.under(f"#/tools/{name}") from None
         calls = tool_choice_schema(normalized)
-        key = f"tool_calls:text={allow_text}:" + canonical_json(calls)
+        key = f"tool_calls:text={allow_text}:{syntax}:" + canonical_json(calls)
 
         def build() -> xgr.Grammar:
-            call = self._from_schema(calls)
-            return xgr.Grammar.union(call, xgr.Grammar.from_ebnf(_TEXT_ANSWER_EBNF)) if allow_text else call
+            one = self._from_schema(calls)
+            if syntax.open:
+                one = _tagged_calls(one, syntax)
+            return xgr.Grammar.union(one, _text_answer(syntax)) if allow_text else one
 
         return self._cached(key, build)
+
+    def text_answer(self, syntax: CallSyntax = BARE_CALLS) -> Grammar:
+        """Free text that cannot be read as a call in ``syntax``: a step offered no tools."""
+        return self._cached(f"text_answer:{syntax}", lambda: _text_answer(syntax))
 
     def _from_schema(self, schema: dict[str, Any], strict: bool = True) -> xgr.Grammar:
         try:
