@@ -87,7 +87,7 @@ def normalize_schema(schema: dict[str, Any]) -> dict[str, Any]:
 def _hoist_refs(document: dict[str, Any]) -> dict[str, Any]:
     """Rewrite every local ``$ref`` to ``#/$defs/<name>``, copying targets that live elsewhere;
     a reference to a definition that is never written is replaced by that marker."""
-    document = _mark_external(document)
+    document = replace_external_refs(document)
     original = copy.deepcopy(document)
     definitions: dict[str, Any] = {}
     renamed: dict[str, str] = {}
@@ -118,17 +118,20 @@ def _hoist_refs(document: dict[str, Any]) -> dict[str, Any]:
     return rewritten
 
 
-def _mark_external(node: Any, names: bool = False) -> Any:
-    """A reference leading outside the document becomes a never-written marker."""
+def replace_external_refs(node: Any, replacement: Any = None, names: bool = False) -> Any:
+    """Every subschema that is a reference leading outside the document, replaced (by
+    default with the never-written marker; the validator uses ``{"not": {}}``)."""
     if isinstance(node, list):
-        return [_mark_external(item) for item in node]
+        return [replace_external_refs(item, replacement) for item in node]
     if not isinstance(node, dict):
         return node
     ref = node.get("$ref")
     if not names and isinstance(ref, str) and not ref.startswith("#"):
-        return external(ref)
+        return external(ref) if replacement is None else replacement
     return {
-        key: value if not names and key in LITERALS else _mark_external(value, not names and key in NAME_MAPS)
+        key: value
+        if not names and key in LITERALS
+        else replace_external_refs(value, replacement, not names and key in NAME_MAPS)
         for key, value in node.items()
     }
 

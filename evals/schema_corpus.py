@@ -34,7 +34,7 @@ PROMPT = "Write a short example {name} file. Reply with the JSON document only.\
 @dataclass
 class Outcome:
     file: str
-    outcome: str  # refused | valid | invalid | truncated
+    outcome: str  # refused | valid | invalid | truncated | error (an exception: a bug)
     keyword: str | None = None  # refused: the keyword; invalid: the validation message
     pointer: str | None = None
     completion_tokens: int = 0
@@ -123,6 +123,7 @@ def summarise(outcomes: list[Outcome]) -> dict[str, Any]:
         "valid": counts["valid"],
         "invalid": counts["invalid"],
         "truncated": counts["truncated"],
+        "errors": counts["error"],
         "refused_share": counts["refused"] / len(outcomes) if outcomes else 0.0,
         "valid_share_of_compiled": counts["valid"] / compiled if compiled else 0.0,
     }
@@ -137,11 +138,11 @@ def markdown(summary: dict[str, Any], config: dict[str, Any]) -> str:
             f"Model `{config['model']}` ({config['dtype']}), greedy, max_tokens {config['max_tokens']}, "
             f"{config['cpu']}; `{config['command']}`",
             "",
-            "| schemas | compiled | refused | valid | invalid | truncated |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| schemas | compiled | refused | valid | invalid | truncated | errors |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
             f"| {summary['schemas']} | {summary['compiled']} | {summary['refused']} "
             f"({summary['refused_share']:.0%}) | {summary['valid']} ({summary['valid_share_of_compiled']:.0%} of "
-            f"compiled) | {summary['invalid']} | {summary['truncated']} |",
+            f"compiled) | {summary['invalid']} | {summary['truncated']} | {summary['errors']} |",
             "",
             f"Refused by keyword: {keywords or 'none'}.",
             "",
@@ -165,7 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     outcomes = []
     try:
         for entry, schema in load_corpus(args.limit):
-            outcome = run_one(agent, entry, schema, args.max_tokens)
+            try:
+                outcome = run_one(agent, entry, schema, args.max_tokens)
+            except Exception as error:  # counted and reported, never hidden; the run goes on
+                outcome = Outcome(entry["file"], "error", f"{type(error).__name__}: {error}"[:500])
             outcomes.append(outcome)
             print(f"{outcome.outcome:9s} {entry['file']} {outcome.keyword or ''}", file=sys.stderr, flush=True)
     finally:
@@ -185,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {"config": config, "summary": summary, "outcomes": [asdict(outcome) for outcome in outcomes]}
         (args.out / "report.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
         (args.out / "report.md").write_text(markdown(summary, config), encoding="utf-8")
-    return 1 if summary["invalid"] else 0
+    return 1 if summary["invalid"] or summary["errors"] else 0
 
 
 if __name__ == "__main__":

@@ -110,3 +110,22 @@ def _answers_with_a_loose_grammar(url: str) -> list[str]:
     assert "failed validation against its schema" in error["message"] and "marker" in error["message"]
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=_request(stream=True), timeout=120) as stream:
         return [line.removeprefix("data: ") for line in stream.iter_lines() if line.startswith("data: ")]
+
+
+def test_validation_fetches_nothing_and_reads_a_remote_reference_as_unsatisfiable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import socket
+
+    from tools.schema_check import SchemaViolation, validate_value
+
+    def no_network(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the validator tried to reach the network")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    schema = {
+        "anyOf": [{"$ref": "https://json.schemastore.org/grunt-task#/definitions/fileFormat"}, {"type": "string"}]
+    }
+    validate_value("written by the grammar", schema)
+    with pytest.raises(SchemaViolation, match="not valid under any"):
+        validate_value(3, schema)  # only the remote branch could have accepted it
