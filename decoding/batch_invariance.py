@@ -6,13 +6,15 @@ two mechanisms (K-chunked linears, per-row attention); this module decides, by
 measurement on the machine at hand, whether they reach bit-exactness:
 
 1. every distinct linear shape of the model is probed: a product over ``PROBE_ROWS`` rows
-   against the same rows one at a time, with the layer's own weight. Unchunked first,
-   then with K split into chunks of at most ``CHUNK_LIMITS``; the first exact setting is
-   kept. (Native-bf16 CPU: K <= 4096 is exact unchunked; Qwen's MLP down projections,
-   K = 4864 and 8960, need chunks. float32 GEMMs are not row-invariant at any K.)
-2. where the linears are row-exact, a one-row product may as well run as two copies of
-   the row (``SkinnyLinear.min_rows``); that is kept when a one-token forward measures
-   faster so (it did on the AMX machine: oneDNN's one-row bf16 kernels are slow there).
+   against the same rows one at a time, with the layer's own weight, a single row computed
+   as two copies or alone (``SkinnyLinear.min_rows``), unchunked first, then with K split
+   into chunks of at most ``CHUNK_LIMITS``; the first exact setting is kept. (AMX Xeon:
+   every shape is exact unchunked with single rows padded to two; one row alone differs
+   from many for K > 4096, Qwen's MLP down projections. float32 GEMMs are not
+   row-invariant at any K.)
+2. where a layer is exact both with and without the padding, the faster is kept, timed on
+   one-token forwards (two rows were faster on the AMX machine: oneDNN's one-row bf16
+   kernels are slow there).
 3. the whole model is probed: ``VERIFY_TOKENS`` one-token steps after a random context
    against one verify forward over the same tokens, every logit compared bitwise.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,11 +43,23 @@ VERIFY_TOKENS = 9  # a verify of γ = 8, the policy's usual largest
 PADDING_TRIALS = 5  # one-token forwards timed each way, interleaved
 PADDING_MIN_GAIN = 0.05  # pad only when the median one-token forward is at least this much faster
 
-_CHUNKING_BY_SHAPE: dict[tuple[int, int, torch.dtype], tuple[tuple[int, int], ...] | None] = {}
+
+@dataclass(frozen=True)
+class LinearSetting:
+    """How a layer computes to be row-exact: single rows padded to two, K-chunks, and
+    whether the padding could be dropped (both row counts are exact) if that is faster."""
+
+    min_rows: int
+    k_chunks: tuple[tuple[int, int], ...]
+    padding_optional: bool
+
+
+_SETTING_BY_SHAPE: dict[tuple[int, int, torch.dtype], LinearSetting | None] = {}
 
 
 def linear_rows_are_exact(layer: SkinnyLinear, generator: torch.Generator) -> bool:
-    """Does each row of a many-row product equal that row's one-row product, bitwise?"""
+    """Does each row of a many-row product equal that row computed alone (as the layer
+    computes a single row: padded to two when ``min_rows`` is 2), bitwise?"""
     in_features = layer.weight.shape[1]
     for rows in PROBE_ROWS:
         x = torch.randn(rows, in_features, generator=generator).to(layer.weight.dtype)
@@ -55,65 +70,88 @@ def linear_rows_are_exact(layer: SkinnyLinear, generator: torch.Generator) -> bo
     return True
 
 
-def find_row_exact_chunking(layer: SkinnyLinear) -> tuple[tuple[int, int], ...] | None:
-    """The first K-chunking (none, then ever smaller chunks) that makes ``layer`` row-exact;
-    the layer keeps it. None, and no chunks, if none does."""
+def find_row_exact_setting(layer: SkinnyLinear) -> LinearSetting | None:
+    """The first setting that makes ``layer`` row-exact, cheapest first: unchunked with
+    single rows padded to two (measured on the AMX Xeon: products of 2..24 rows agree for
+    every Qwen shape, K = 8960 included, while one row alone differs from them for
+    K > 4096), unchunked one-row, then ever smaller K-chunks. The layer keeps it."""
     generator = torch.Generator().manual_seed(0)
     in_features = layer.weight.shape[1]
-    candidates = [()] + [even_chunks(in_features, limit) for limit in CHUNK_LIMITS if in_features > limit]
-    for chunks in candidates:
-        layer.k_chunks = chunks
-        if linear_rows_are_exact(layer, generator):
-            return chunks
-    layer.k_chunks = ()
+    chunkings = [()] + [even_chunks(in_features, limit) for limit in CHUNK_LIMITS if in_features > limit]
+    for chunks in chunkings:
+        exact = {}
+        for min_rows in (2, 1):
+            layer.k_chunks, layer.min_rows = chunks, min_rows
+            exact[min_rows] = linear_rows_are_exact(layer, generator)
+        if exact[2] or exact[1]:
+            setting = LinearSetting(2 if exact[2] else 1, chunks, exact[2] and exact[1])
+            layer.k_chunks, layer.min_rows = setting.k_chunks, setting.min_rows
+            return setting
+    layer.k_chunks, layer.min_rows = (), 1
     return None
+
+
+def find_row_exact_chunking(layer: SkinnyLinear) -> tuple[tuple[int, int], ...] | None:
+    """The K-chunks of ``find_row_exact_setting`` (None if no setting is exact)."""
+    setting = find_row_exact_setting(layer)
+    return None if setting is None else setting.k_chunks
 
 
 @torch.inference_mode()
 def make_linears_row_exact(model: torch.nn.Module) -> bool:
-    """Give every SkinnyLinear the K-chunking that makes it row-exact; False if one has none."""
+    """Give every SkinnyLinear the setting that makes it row-exact; False if one has none."""
     layers = [module for module in model.modules() if isinstance(module, SkinnyLinear)]
     for layer in layers:
         key = (*layer.weight.shape, layer.weight.dtype)
-        if key not in _CHUNKING_BY_SHAPE:  # the kernel's order depends on shape, not values
-            _CHUNKING_BY_SHAPE[key] = find_row_exact_chunking(layer)
-        chunking = _CHUNKING_BY_SHAPE[key]
-        if chunking is None:
+        if key not in _SETTING_BY_SHAPE:  # the kernel's order depends on shape, not values
+            _SETTING_BY_SHAPE[key] = find_row_exact_setting(layer)
+        setting = _SETTING_BY_SHAPE[key]
+        if setting is None:
             reset_linears(model)
             return False
-        layer.k_chunks = chunking
+        layer.k_chunks, layer.min_rows = setting.k_chunks, setting.min_rows
     return bool(layers)
 
 
 def reset_linears(model: torch.nn.Module) -> None:
-    _set_min_rows(model, 1)
     for module in model.modules():
         if isinstance(module, SkinnyLinear):
-            module.k_chunks = ()
+            module.k_chunks, module.min_rows = (), 1
 
 
-def _set_min_rows(model: torch.nn.Module, min_rows: int) -> None:
-    for module in model.modules():
-        if isinstance(module, SkinnyLinear):
-            module.min_rows = min_rows
+def _optional_padding(model: torch.nn.Module) -> list[SkinnyLinear]:
+    layers = [module for module in model.modules() if isinstance(module, SkinnyLinear)]
+    return [
+        layer
+        for layer in layers
+        if (
+            _SETTING_BY_SHAPE.get((*layer.weight.shape, layer.weight.dtype)) or LinearSetting(1, (), False)
+        ).padding_optional
+    ]
 
 
 @torch.inference_mode()
 def pad_single_rows_if_faster(lm: CausalLM) -> bool:
-    """Time one-token forwards with one-row and two-row products; keep the faster."""
+    """Where a layer is row-exact both ways, time one-token forwards with one-row and
+    two-row products and keep the faster; layers that need the padding keep it."""
+    optional = _optional_padding(lm.model)
+    if not optional:
+        return False
     kv = lm.new_kv()
     lm.prefill(kv, [token % lm.vocab_size for token in range(PROBE_CONTEXT)])
     seconds: dict[int, list[float]] = {1: [], 2: []}
     for _ in range(PADDING_TRIALS + 1):  # the first round warms both up
         for min_rows, samples in seconds.items():
-            _set_min_rows(lm.model, min_rows)
+            for layer in optional:
+                layer.min_rows = min_rows
             start = time.perf_counter()
             lm.forward(kv, [0], last_only=True)
             samples.append(time.perf_counter() - start)
             kv.crop(PROBE_CONTEXT)
     one_row, two_rows = (statistics.median(seconds[rows][1:]) for rows in (1, 2))
     padded = two_rows < (1 - PADDING_MIN_GAIN) * one_row
-    _set_min_rows(lm.model, 2 if padded else 1)
+    for layer in optional:
+        layer.min_rows = 2 if padded else 1
     return padded
 
 

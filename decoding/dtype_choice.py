@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from decoding import packs
-from decoding.batch_invariance import find_row_exact_chunking
+from decoding.batch_invariance import find_row_exact_setting
 from decoding.fast_paths import SkinnyLinear
 
 VERIFY_ROWS = 9
@@ -103,8 +103,8 @@ def measure(config: Any, dtype: torch.dtype) -> DtypeCost:
     for out_features, in_features, count in linear_shapes(config):
         layer = torch.nn.utils.skip_init(SkinnyLinear, in_features, out_features, bias=False, dtype=dtype)
         layer.weight.uniform_(-0.05, 0.05, generator=generator)
-        chunking = find_row_exact_chunking(layer)  # sets the chunks row-exact mode would use
-        row_exact = row_exact and chunking is not None
+        setting = find_row_exact_setting(layer)  # the layer computes as row-exact mode would
+        row_exact = row_exact and setting is not None
         timings: dict[int, list[float]] = {1: [], 2: [], VERIFY_ROWS: []}
         inputs = {rows: torch.randn(rows, in_features, generator=generator).to(dtype) for rows in timings}
         for _ in range(TIMING_REPEATS + 1):
@@ -114,7 +114,7 @@ def measure(config: Any, dtype: torch.dtype) -> DtypeCost:
                 samples.append(time.perf_counter() - start)
         medians = {rows: statistics.median(samples[1:]) for rows, samples in timings.items()}
         # a row-exact layer runs one row as two where that is faster (SkinnyLinear.min_rows)
-        step += count * (min(medians[1], medians[2]) if chunking is not None else medians[1])
+        step += count * (min(medians[1], medians[2]) if setting is not None else medians[1])
         verify += count * medians[VERIFY_ROWS]
     return DtypeCost(str(dtype).removeprefix("torch."), step, verify, row_exact)
 

@@ -50,7 +50,7 @@ def test_the_linear_probe_catches_a_row_dependent_product(monkeypatch: pytest.Mo
         return out if rows.shape[0] == 1 else out + 1e-9
 
     monkeypatch.setattr(SkinnyLinear, "_product", planted)
-    assert find_row_exact_chunking(layer) is None and layer.k_chunks == ()
+    assert find_row_exact_chunking(layer) is None and layer.k_chunks == () and layer.min_rows == 1
 
 
 def test_per_row_attention_is_the_one_row_call_on_the_visible_keys() -> None:
