@@ -45,9 +45,8 @@ def test_the_linear_probe_catches_a_row_dependent_product(monkeypatch: pytest.Mo
     layer = _random_linear(64, 16, torch.float64, torch.Generator().manual_seed(1))
     real_product = SkinnyLinear._product
 
-    def planted(self: SkinnyLinear, rows: torch.Tensor) -> torch.Tensor:  # rounds only in a batch
-        out = real_product(self, rows)
-        return out if rows.shape[0] == 1 else out + 1e-9
+    def planted(self: SkinnyLinear, rows: torch.Tensor) -> torch.Tensor:  # rounds by the row count
+        return real_product(self, rows) + 1e-9 * (rows.shape[0] - 1)
 
     monkeypatch.setattr(SkinnyLinear, "_product", planted)
     assert find_row_exact_chunking(layer) is None and layer.k_chunks == () and layer.min_rows == 1

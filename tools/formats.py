@@ -60,9 +60,7 @@ class CallFormat:
         return f"{self.syntax.open}{body}{self.syntax.close}"
 
 
-HERMES = CallFormat(
-    "hermes", CallSyntax("<tool_call>\n", "\n</tool_call>", "\n", MAX_PARALLEL_CALLS), native=True
-)
+HERMES = CallFormat("hermes", CallSyntax("<tool_call>\n", "\n</tool_call>", "\n", MAX_PARALLEL_CALLS), native=True)
 BARE_JSON = CallFormat("bare_json", BARE_CALLS, native=False)
 FORMATS = {fmt.name: fmt for fmt in (HERMES, BARE_JSON)}
 
