@@ -323,10 +323,21 @@ def _add_eval_commands(commands: Any) -> None:
     )
     add_arguments(grounded)
     grounded.set_defaults(handler=_eval_groundedness)
+    from evals.tool_eval import add_arguments as add_tool_arguments
+
+    tools = suites.add_parser("tools", help="the tool-use eval: tool selection, arguments, answers (report)")
+    add_tool_arguments(tools)
+    tools.set_defaults(handler=_eval_tools)
 
 
 def _eval_groundedness(args: argparse.Namespace) -> int:
     from evals.run import run
+
+    return run(args, command=" ".join(["specrag", *sys.argv[1:]]))
+
+
+def _eval_tools(args: argparse.Namespace) -> int:
+    from evals.tool_eval import run
 
     return run(args, command=" ".join(["specrag", *sys.argv[1:]]))
 

@@ -1,10 +1,15 @@
 """The agent loop: retrieve, prompt, generate under the tool grammar, run tools, repeat.
 
 One run is a sequence of steps. The first retrieval uses the question; the model then
-answers, or calls a tool (``search_documents`` searches again and its passages become
-citable as the next ``[Pn]``). The output is generated under the tool-choice grammar, so it
-is either a valid call to a registered tool or plain text; plain text is the final answer.
-The last allowed step is generated without tools, so a run always ends with an answer.
+answers, or calls tools (``search_documents`` searches again and its passages become
+citable as the next ``[Pn]``). Calls are written in the model's own format where its chat
+template has one (``tools/formats.py``: Qwen's ``<tool_call>`` blocks, several per turn,
+results as ``tool`` messages), else as a bare JSON object. The output is generated under
+the tool-choice grammar, so it is either valid calls to offered tools or plain text; plain
+text is the final answer. A call identical to an earlier one of the run is not executed
+again: the model gets the earlier result and the next step offers no tools. The last
+allowed step offers no tools either, and its grammar admits only text, so a run always ends
+with an answer and never with call syntax.
 
 With ``abstain_threshold`` set, an answerability probe runs first (``agent/answerability.py``)
 and a run it judges unanswerable replies ``ABSTENTION`` without generating. With
@@ -19,6 +24,7 @@ whole result) and ``error``. A run leaves one trace (``agent/trace.py``).
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import time
@@ -28,7 +34,7 @@ from typing import Any
 
 from agent.answerability import ABSTENTION, AnswerTokens, NextTokenLogits, p_unanswerable, probe_messages
 from agent.attribution import DEFAULT_MIN_SIMILARITY, Attributor, attribution_record
-from agent.prompt import DEFAULT_SYSTEM, PromptParts, build_messages, encode_messages, format_passage, passage_label
+from agent.prompt import PromptParts, encode_messages, format_passage, passage_label, prompt_ids
 from agent.results import ShownPassage, resolve_citations, speculation_summary, step_record, tool_result_dict
 from agent.stream import IncrementalDecoder
 from agent.trace import SpeculationCycle, Trace, Tracer
@@ -42,10 +48,10 @@ from tools import (
     ToolError,
     ToolRegistry,
     ToolResult,
-    parse_tool_call,
     run_tool_sync,
     validate_call,
 )
+from tools.formats import CallFormat, format_for
 
 logger = logging.getLogger(__name__)
 Generate = Callable[[GenerationRequest], Iterator[GenerationEvent]]
@@ -94,7 +100,9 @@ class _Run:
     prompt_passages: list[ShownPassage] = field(default_factory=list)  # the first retrieval's, in the prompt
     lookup: list[tuple[str, list[int]]] = field(default_factory=list)  # (passage id, token ids)
     steps: list[dict[str, Any]] = field(default_factory=list)
-    messages: list[dict[str, str]] = field(default_factory=list)  # this turn's tool calls and results
+    messages: list[dict[str, Any]] = field(default_factory=list)  # this turn's tool calls and results
+    executed: dict[str, ToolResult] = field(default_factory=dict)  # canonical call -> its result
+    answer_now: bool = False  # a call was repeated: the next step offers no tools
     stats: list[GenerationStats] = field(default_factory=list)
     answerability: dict[str, Any] | None = None
     attribution: dict[str, Any] | None = None
@@ -108,12 +116,13 @@ class AgentLoop:
         tokenizer: Any,
         generate: Generate,
         registry: ToolRegistry,
-        grammar_for: Callable[[ToolRegistry, Sequence[str]], Any],
+        grammar_for: Callable[[ToolRegistry, Sequence[str], CallFormat], Any],
         retriever: Any = None,
         *,
         model_name: str = "model",
-        system: str = DEFAULT_SYSTEM,
+        system: str | None = None,
         tracer: Tracer | None = None,
+        call_format: CallFormat | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.generate = generate
@@ -121,7 +130,8 @@ class AgentLoop:
         self.grammar_for = grammar_for
         self.retriever = retriever
         self.model_name = model_name
-        self.system = system
+        self.system = system  # None: chosen by what a step offers (agent/prompt.py)
+        self.call_format = call_format or format_for(tokenizer)
         self.tracer = tracer or Tracer()
         self._answer_tokens: AnswerTokens | None = None
         self._attributor: Attributor | None = None
@@ -165,19 +175,23 @@ class AgentLoop:
             yield {"event": "error", "data": {"type": type(error).__name__, "message": str(error)}}
 
     def _steps(self, run: _Run) -> Iterator[AgentEvent] | Any:  # a generator returning the answer
-        """Generate, run the tool called, repeat, until the model answers in text."""
+        """Generate, run the tools called, repeat, until the model answers in text."""
         options = run.options
+        offered_in_run = bool(self._allowed_tools(options)) and options.max_steps > 1
         for step in range(options.max_steps):
-            tool_names = self._allowed_tools(options) if step < options.max_steps - 1 else []
-            text, stats = yield from self._generate_step(run, step, tool_names)
-            call = self._parse_call(text) if tool_names else None
-            if call is None:
+            last = step == options.max_steps - 1 or run.answer_now
+            tool_names = [] if last else self._allowed_tools(options)
+            text, stats = yield from self._generate_step(run, step, tool_names, offered_in_run)
+            calls = self._parse_calls(text) if tool_names else None
+            if not calls:
                 run.steps.append(step_record(step, "answer", stats))
                 return text.strip()
-            yield {"event": "tool_call", "data": {"step": step, "name": call.name, "arguments": call.arguments}}
-            result = self._execute(run, call, text)
-            run.steps.append(step_record(step, "tool_call", stats, call, result))
-            yield {"event": "tool_result", "data": {"step": step, **tool_result_dict(result)}}
+            run.messages.append(self.call_format.assistant_message(text, calls))
+            for call in calls:
+                yield {"event": "tool_call", "data": {"step": step, "name": call.name, "arguments": call.arguments}}
+                result, repeated = self._execute_once(run, call)
+                run.steps.append({**step_record(step, "tool_call", stats, call, result), "repeated": repeated})
+                yield {"event": "tool_result", "data": {"step": step, **tool_result_dict(result)}}
         return ""
 
     # -- stages ------------------------------------------------------------------------
@@ -212,13 +226,14 @@ class AgentLoop:
         return shown
 
     def _generate_step(
-        self, run: _Run, step: int, tool_names: list[str]
+        self, run: _Run, step: int, tool_names: list[str], offered_in_run: bool
     ) -> Iterator[AgentEvent] | Any:  # a generator returning (text, stats)
         with run.trace.span("prompt_build") as span:
-            prompt = encode_messages(self.tokenizer, build_messages(self._parts(run, tool_names)))
+            prompt = prompt_ids(self.tokenizer, self._parts(run, tool_names, offered_in_run))
             span.set_attribute("prompt_tokens", len(prompt))
-            # Compiled here (cached after the first time): part of building the request.
-            grammar = self.grammar_for(self.registry, tool_names) if tool_names else None
+            # Compiled here (cached after the first time): part of building the request. A step
+            # without tools in a run that offered some may only answer in text.
+            grammar = self.grammar_for(self.registry, tool_names, self.call_format) if offered_in_run else None
         options = run.options
         request = GenerationRequest(
             prompt,
@@ -231,6 +246,7 @@ class AgentLoop:
         )
         decoder = IncrementalDecoder(self.tokenizer)
         streaming = not tool_names  # with tools, text is streamed once it is known not to be a call
+        call_opening = (self.call_format.syntax.open or "{")[0]
         with run.trace.span(f"chat {self.model_name}", {"gen_ai.request.model": self.model_name}) as chat:
             cycles = []
             stats: GenerationStats | None = None
@@ -239,7 +255,7 @@ class AgentLoop:
                     cycles.append((event.cycle, len(event.token_ids)))
                 piece = decoder.push(event.token_ids)
                 if not streaming and decoder.text.strip():
-                    streaming = not decoder.text.lstrip().startswith("{")
+                    streaming = not decoder.text.lstrip().startswith(call_opening)
                     piece = decoder.text if streaming else ""
                 if streaming and piece:
                     yield {"event": "token", "data": {"step": step, "text": piece}}
@@ -254,7 +270,8 @@ class AgentLoop:
         options = run.options
         tool_names = self._allowed_tools(options) if options.max_steps > 1 else []
         with run.trace.span("answerability") as span:
-            prompt = encode_messages(self.tokenizer, probe_messages(self._parts(run, tool_names)))
+            parts = self._parts(run, tool_names, bool(tool_names))
+            prompt = encode_messages(self.tokenizer, probe_messages(parts), tools=parts.template_tools)
             capture = NextTokenLogits()
             request = GenerationRequest(prompt, max_tokens=1, speculation="off", logits_processors=[capture])
             stats = None
@@ -286,7 +303,7 @@ class AgentLoop:
             span.set_attribute("cited_sentences", sum(choice.label is not None for choice in choices))
         return attributed
 
-    def _parts(self, run: _Run, tool_names: list[str]) -> PromptParts:
+    def _parts(self, run: _Run, tool_names: list[str], offered_in_run: bool) -> PromptParts:
         return PromptParts(
             run.question,
             system=self.system,
@@ -295,6 +312,8 @@ class AgentLoop:
             # not here: re-rendering the first message would break the cached prefix.
             passages=run.prompt_passages,
             steps=run.messages,
+            call_format=self.call_format,
+            tools_in_run=offered_in_run,
         )
 
     def _record_chat(self, trace: Trace, chat: Any, cycles: list[tuple[Any, int]], stats: GenerationStats) -> None:
@@ -319,7 +338,23 @@ class AgentLoop:
             for info, committed in cycles[1:]:
                 decode.add_cycle(SpeculationCycle.from_engine(info, committed))
 
-    def _execute(self, run: _Run, call: ToolCall, text: str) -> ToolResult:
+    def _execute_once(self, run: _Run, call: ToolCall) -> tuple[ToolResult, bool]:
+        """Run ``call`` unless the run already did; (result, whether it was a repeat). The
+        result goes back to the model as a ``tool`` message either way."""
+        key = canonical_call(call)
+        repeated = key in run.executed
+        if repeated:
+            earlier = run.executed[key]
+            note = "\n(This call was already made; its result is above. Answer the question now.)"
+            result = ToolResult(earlier.name, earlier.content + note, earlier.error, 0.0)
+            run.answer_now = True
+        else:
+            result = self._execute(run, call)
+            run.executed[key] = result
+        run.messages.append({"role": "tool", "content": result.content})
+        return result, repeated
+
+    def _execute(self, run: _Run, call: ToolCall) -> ToolResult:
         with run.trace.span(f"execute_tool {call.name}", {"gen_ai.tool.name": call.name}) as span:
             if call.name == SEARCH_TOOL and self.retriever is not None:
                 result = self._search_tool(run, call)
@@ -328,8 +363,6 @@ class AgentLoop:
             span.set_attribute("status", "ok" if result.ok else result.error.type if result.error else "error")
             if result.error is not None:
                 span.set_status("error", result.error.message)
-        run.messages.append({"role": "assistant", "content": text.strip()})
-        run.messages.append({"role": "tool", "content": result.content})
         return result
 
     def _search_tool(self, run: _Run, call: ToolCall) -> ToolResult:
@@ -351,10 +384,9 @@ class AgentLoop:
             self.registry.get(name)  # UnknownToolError names it
         return names
 
-    @staticmethod
-    def _parse_call(text: str) -> ToolCall | None:
+    def _parse_calls(self, text: str) -> list[ToolCall] | None:
         try:
-            return parse_tool_call(text)
+            return self.call_format.parse(text)
         except ValueError:
             return None  # a call cut short by max_tokens is not a call: it ends as text
 
@@ -380,6 +412,11 @@ class AgentLoop:
             "attribution": run.attribution,
             "trace_id": run.trace.trace_id,
         }
+
+
+def canonical_call(call: ToolCall) -> str:
+    """Two calls are the same call when name and arguments are equal as JSON."""
+    return json.dumps({"name": call.name, "arguments": call.arguments}, sort_keys=True)
 
 
 def default_tools(registered: Sequence[str]) -> list[str]:

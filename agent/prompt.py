@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tools.formats import BARE_JSON, CallFormat
+
 DEFAULT_SYSTEM = (
     "You are a precise assistant. Answer from the passages only and cite each passage you use as [P1], [P2]. "
     "If the passages do not contain the answer, say that it is not in the documents."
@@ -34,6 +36,26 @@ CITING_SYSTEM = (
     "where a statement is required syntactically [P2]."
 )
 SYSTEM_PROMPTS = {"default": DEFAULT_SYSTEM, "citing": CITING_SYSTEM}
+# The default system prompt follows what a step offers. DEFAULT_SYSTEM told the model to say
+# "not in the documents" even when a tool could answer (qwen2.5-coder-1.5b did, on a
+# temperature question with a conversion tool offered).
+TOOLS_SYSTEM = (
+    "You are a helpful assistant. When a tool can compute or look up what the question asks, call it, "
+    "then answer in plain text using its result. Answer directly when no tool fits the question."
+)
+PASSAGES_AND_TOOLS_SYSTEM = (
+    "You are a precise assistant. Answer from the passages and from the results of the tools, and cite each "
+    "passage you use as [P1], [P2]. When a tool can compute or look up what the question asks, call it, then "
+    "answer in plain text using its result. If neither the passages nor a tool can answer, say that it is not "
+    "in the documents."
+)
+
+
+def default_system(has_passages: bool, has_tools: bool) -> str:
+    """The system prompt for what the run offers: passages, tools, or both."""
+    if has_tools:
+        return PASSAGES_AND_TOOLS_SYSTEM if has_passages else TOOLS_SYSTEM
+    return DEFAULT_SYSTEM
 
 
 class PassageLike(Protocol):
@@ -45,11 +67,24 @@ class PassageLike(Protocol):
 @dataclass(frozen=True)
 class PromptParts:
     question: str
-    system: str = DEFAULT_SYSTEM
+    system: str | None = None  # None: default_system() for what is offered
     tool_schemas: Sequence[dict[str, Any]] = ()
     passages: Sequence[PassageLike] = ()
-    history: Sequence[dict[str, str]] = field(default_factory=tuple)  # earlier turns, oldest first
-    steps: Sequence[dict[str, str]] = field(default_factory=tuple)  # this turn's tool calls and results
+    history: Sequence[dict[str, Any]] = field(default_factory=tuple)  # earlier turns, oldest first
+    steps: Sequence[dict[str, Any]] = field(default_factory=tuple)  # this turn's tool calls and results
+    call_format: CallFormat = BARE_JSON  # HERMES: the chat template renders the tools itself
+    tools_in_run: bool = False  # tools were offered at some step (the last step offers none)
+
+    @property
+    def system_text(self) -> str:
+        if self.system is not None:
+            return self.system
+        return default_system(bool(self.passages), bool(self.tool_schemas) or self.tools_in_run)
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The schemas for ``apply_chat_template(tools=...)`` when the template renders them."""
+        return list(self.tool_schemas) if self.call_format.native and self.tool_schemas else None
 
 
 def passage_label(index: int) -> str:
@@ -58,16 +93,17 @@ def passage_label(index: int) -> str:
 
 
 def system_message(parts: PromptParts) -> str:
-    """The system prompt, then how to call a tool and one line per tool.
+    """The system prompt; with a template that knows nothing of tools, then how to call a
+    tool and one line per tool (a native template renders the tools itself).
 
     Tools are shown as signatures, not raw JSON schemas: small models shown a schema tend to
     copy it back instead of answering. The grammar enforces the full schema anyway.
     """
-    if not parts.tool_schemas:
-        return parts.system
+    if not parts.tool_schemas or parts.call_format.native:
+        return parts.system_text
     tools = "\n".join(tool_line(schema) for schema in parts.tool_schemas)
     return (
-        f"{parts.system}\n\nWhen you need a tool, reply with only a JSON object "
+        f"{parts.system_text}\n\nWhen you need a tool, reply with only a JSON object "
         '{"name": "<tool>", "arguments": {...}} and nothing else. Otherwise answer in plain text.'
         f"\nTools:\n{tools}"
     )
@@ -105,7 +141,7 @@ def user_message(parts: PromptParts) -> str:
     return f"{passages_message(parts.passages)}\n\nQuestion: {parts.question}"
 
 
-def build_messages(parts: PromptParts) -> list[dict[str, str]]:
+def build_messages(parts: PromptParts) -> list[dict[str, Any]]:
     """Chat messages in stable-first order: system + tools, history, passages + question, then
     this turn's steps (each step's prompt extends the previous one, so it hits the cache)."""
     return [
@@ -116,9 +152,17 @@ def build_messages(parts: PromptParts) -> list[dict[str, str]]:
     ]
 
 
-def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def prompt_ids(tokenizer: Any, parts: PromptParts) -> list[int]:
+    """The step's prompt: the messages through the chat template, tools rendered by it when native."""
+    return encode_messages(tokenizer, build_messages(parts), tools=parts.template_tools)
+
+
+def encode_messages(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     """Token ids of the chat template with the generation prompt appended."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    extra = {"tools": tools} if tools else {}
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
     if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from agent.loop import AgentEvent, AgentLoop, RunOptions
-from agent.prompt import DEFAULT_SYSTEM
 from agent.trace import Tracer, TraceStore
 from agent.worker import EngineWorker
 from decoding.engine import Engine
@@ -26,6 +25,7 @@ from decoding.model import CausalLM, load_model
 from decoding.prefix_cache import PrefixCache
 from decoding.request import GenerationEvent, GenerationRequest
 from tools import Tool, ToolRegistry, search_documents_tool
+from tools.formats import FORMATS, CallFormat
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 
@@ -39,12 +39,13 @@ class Agent:
         draft: str | os.PathLike[str] | CausalLM | None = None,
         *,
         dtype: str = "auto",
-        system: str = DEFAULT_SYSTEM,
+        system: str | None = None,
         prefix_cache: PrefixCache | bool = True,
         tracer: Tracer | None = None,
         search_tool: bool = True,
         concurrent: bool = False,
         max_in_flight: int = 32,
+        call_format: CallFormat | str | None = None,
     ) -> None:
         self.model = model if isinstance(model, CausalLM) else load_model(model, dtype=dtype)
         self.draft = draft if isinstance(draft, CausalLM) or draft is None else load_model(draft, dtype=dtype)
@@ -65,6 +66,7 @@ class Agent:
             model_name=self.model.name,
             system=system,
             tracer=self.tracer,
+            call_format=FORMATS[call_format] if isinstance(call_format, str) else call_format,
         )
 
     def run(self, question: str, **options: Any) -> dict[str, Any]:
@@ -79,10 +81,14 @@ class Agent:
         store = self.tracer.store
         return store.get(trace_id) if store is not None else None
 
-    def grammar_for(self, registry: ToolRegistry, names: Sequence[str]) -> Grammar:
-        """A call to one of ``names`` or plain text (compiled once per tool set)."""
+    def grammar_for(self, registry: ToolRegistry, names: Sequence[str], call_format: CallFormat) -> Grammar:
+        """Calls to ``names`` in ``call_format`` or plain text; only text when ``names`` is
+        empty (compiled once per tool set)."""
+        compiler = self.model.grammar_compiler
+        if not names:
+            return compiler.text_answer(call_format.syntax)
         chosen = ToolRegistry([registry.get(name) for name in names])
-        return chosen.grammar(self.model.grammar_compiler, allow_text=True)
+        return chosen.grammar(compiler, allow_text=True, syntax=call_format.syntax)
 
     def generate(self, request: GenerationRequest) -> Iterator[GenerationEvent]:
         """Token ids in, events out, through the worker (concurrent) or under the lock."""

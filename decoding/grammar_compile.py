@@ -44,13 +44,22 @@ _TEXT_ANSWER_EBNF = "root ::= [^{] [^]*"  # anything that does not open a JSON o
 @dataclass(frozen=True)
 class CallSyntax:
     """How a model writes tool calls around their JSON ``{"name": ..., "arguments": ...}``:
-    bare (the JSON alone, one call), or between tags as Qwen's and Hermes' chat templates
-    ask (``<tool_call>\n{...}\n</tool_call>``, several in one turn, one per line)."""
+    bare (the JSON alone, one call, compact), or between tags as Qwen's and Hermes' chat
+    templates ask (``<tool_call>\n{...}\n</tool_call>``, several in one turn, one per line).
+
+    With tags, a call written the other ways the Qwen coder models write one unprompted is
+    read too: bare, or fenced (```json ... ```), its JSON pretty-printed or not. Measured:
+    shown Qwen's own template, qwen2.5-coder-1.5b wrote ``{{"name": ...}}`` or a fenced
+    block, never the tags; held to the tags alone, it wrote the fenced call as text."""
 
     open: str = ""
     close: str = ""
     separator: str = "\n"
     max_calls: int = 1
+
+    @property
+    def lenient(self) -> bool:
+        return bool(self.open)
 
 
 BARE_CALLS = CallSyntax()
@@ -71,37 +80,39 @@ def _tagged_calls(call: xgr.Grammar, syntax: CallSyntax) -> xgr.Grammar:
 
 
 def _text_answer(syntax: CallSyntax) -> xgr.Grammar:
-    if not syntax.open:
+    """Text that cannot be read as a call: it does not open a JSON object and, for tagged
+    calls, never contains the opening tag or a call's ``"arguments"`` key (a small model
+    blocked from the first wrote ``>{"name": ...`` instead)."""
+    if not syntax.lenient:
         return xgr.Grammar.from_ebnf(_TEXT_ANSWER_EBNF)
-    return xgr.Grammar.from_ebnf(text_without_ebnf(syntax.open.strip()))
+    return xgr.Grammar.from_ebnf(text_without_ebnf([syntax.open.strip(), '"arguments"'], first_not="{"))
 
 
-def text_without_ebnf(forbidden: str) -> str:
-    """EBNF of non-empty text that never contains ``forbidden``: a substring-avoiding
-    automaton (Knuth-Morris-Pratt states: how much of ``forbidden`` the text ends with)."""
-    size = len(forbidden)
-    failure = [0] * size
-    matched = 0
-    for index in range(1, size):
-        while matched and forbidden[index] != forbidden[matched]:
-            matched = failure[matched - 1]
-        matched += forbidden[index] == forbidden[matched]
-        failure[index] = matched
+def text_without_ebnf(forbidden: Sequence[str], first_not: str = "") -> str:
+    """EBNF of non-empty text that contains none of ``forbidden`` and does not start with a
+    character of ``first_not``: a substring-avoiding automaton whose states are the longest
+    suffix of the text so far that begins one of the forbidden strings (Aho-Corasick)."""
+    prefixes = sorted({word[:length] for word in forbidden for length in range(len(word))})
+    state_of = {prefix: index for index, prefix in enumerate(prefixes)}  # "" is state 0
+    alphabet = sorted({char for word in forbidden for char in word})
 
-    def advance(state: int, char: str) -> int:
-        while state and forbidden[state] != char:
-            state = failure[state - 1]
-        return state + 1 if forbidden[state] == char else 0
+    def advance(state: str, char: str) -> str | None:
+        text = state + char
+        if any(text.endswith(word) for word in forbidden):
+            return None
+        return next(text[start:] for start in range(len(text) + 1) if text[start:] in state_of)
 
-    alphabet = sorted(set(forbidden))
-    others = "[^" + "".join(_class_char(char) for char in alphabet) + "]"
+    def moves(state: str, excluded: str = "") -> list[str]:
+        steps = []
+        for char in alphabet:
+            target = advance(state, char)
+            if target is not None and char not in excluded:
+                steps.append(f"{json.dumps(char)} s{state_of[target]}")
+        other_chars = "".join(_class_char(char) for char in sorted(set(alphabet) | set(excluded)))
+        return [*steps, f"[^{other_chars}] s0"]
 
-    def moves(state: int) -> list[str]:
-        steps = [f"{json.dumps(char)} s{advance(state, char)}" for char in alphabet if advance(state, char) < size]
-        return [*steps, f"{others} s0"]
-
-    rules = [f"root ::= {' | '.join(moves(0))}"]
-    rules += [f's{state} ::= "" | {" | ".join(moves(state))}' for state in range(size)]
+    rules = [f"root ::= {' | '.join(moves('', first_not))}"]
+    rules += [f's{state_of[prefix]} ::= "" | {" | ".join(moves(prefix))}' for prefix in prefixes]
     return "\n".join(rules)
 
 
@@ -221,9 +232,10 @@ class GrammarCompiler:
         key = f"tool_calls:text={allow_text}:{syntax}:" + canonical_json(calls)
 
         def build() -> xgr.Grammar:
-            one = self._from_schema(calls)
-            if syntax.open:
-                one = _tagged_calls(one, syntax)
+            one = self._from_schema(calls, any_whitespace=syntax.lenient)
+            if syntax.lenient:
+                fenced = xgr.Grammar.concat(_literal("```json\n"), one, _literal("\n```"))
+                one = xgr.Grammar.union(_tagged_calls(one, syntax), one, fenced)
             return xgr.Grammar.union(one, _text_answer(syntax)) if allow_text else one
 
         return self._cached(key, build)
@@ -232,9 +244,9 @@ class GrammarCompiler:
         """Free text that cannot be read as a call in ``syntax``: a step offered no tools."""
         return self._cached(f"text_answer:{syntax}", lambda: _text_answer(syntax))
 
-    def _from_schema(self, schema: dict[str, Any], strict: bool = True) -> xgr.Grammar:
+    def _from_schema(self, schema: dict[str, Any], strict: bool = True, any_whitespace: bool = False) -> xgr.Grammar:
         try:
-            return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=strict)
+            return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=any_whitespace, strict_mode=strict)
         except RuntimeError as error:  # xgrammar reports schema errors as RuntimeError
             message = str(error).strip().splitlines()[-1]
             raise UnsupportedSchemaError("schema", "#", message.split(": ", 1)[-1]) from None

@@ -29,7 +29,7 @@ def scripted_loop(smollm2: CausalLM, replies: list[str], retriever: Retriever | 
         smollm2.tokenizer,
         script,
         registry,
-        lambda reg, names: None,
+        lambda reg, names, call_format: None,
         retriever,
         tracer=Tracer(store=TraceStore()),
     )

@@ -33,10 +33,14 @@ class CallFormat:
     def parse(self, text: str) -> list[ToolCall] | None:
         """The calls in ``text``, or None when it is a text answer. ValueError when it
         started a call that never finished (cut by max_tokens or a stop)."""
-        if not self.syntax.open:
-            call = parse_tool_call(text)
-            return None if call is None else [call]
         stripped = text.strip()
+        if self.syntax.lenient and stripped.startswith("```"):  # a fenced call (CallSyntax)
+            stripped = stripped.removeprefix("```json").removeprefix("```").removesuffix("```").strip()
+            if not stripped.startswith("{"):
+                raise ValueError("a fenced tool call must hold a JSON object")
+        if not self.syntax.open or stripped.startswith("{"):  # a bare call is read in either format
+            call = parse_tool_call(stripped)
+            return None if call is None else [call]
         if not stripped.startswith(self.syntax.open.strip()):
             return None
         calls = []

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 from pydantic import BaseModel
 
+from decoding.grammar_compile import BARE_CALLS, CallSyntax
 from tools.schema import arguments_model, describe, parameters_schema
 
 if TYPE_CHECKING:
@@ -134,7 +135,14 @@ class ToolRegistry:
     def openai_schemas(self) -> list[dict[str, Any]]:
         return [registered.openai_schema() for registered in self]
 
-    def grammar(self, compiler: GrammarCompiler, *, allow_text: bool = True, only: str | None = None) -> Grammar:
+    def grammar(
+        self,
+        compiler: GrammarCompiler,
+        *,
+        allow_text: bool = True,
+        only: str | None = None,
+        syntax: CallSyntax = BARE_CALLS,
+    ) -> Grammar:
         """The tool-choice grammar (compiled once per tool set, cached by the compiler).
 
         ``only`` restricts the call to one tool (OpenAI's ``tool_choice`` naming a function).
@@ -142,4 +150,5 @@ class ToolRegistry:
         chosen = [self.get(only)] if only is not None else list(self)
         if not chosen:
             raise ValueError("the registry has no tools to build a grammar from")
-        return compiler.tool_calls([(item.name, item.parameters) for item in chosen], allow_text=allow_text)
+        specs = [(item.name, item.parameters) for item in chosen]
+        return compiler.tool_calls(specs, allow_text=allow_text, syntax=syntax)

@@ -1,0 +1,182 @@
+"""Native tool-call formats: parsing, the grammars that constrain them, and the loop with them.
+
+The Qwen packs' chat templates write calls in ``<tool_call>`` tags; no Qwen model runs in
+CI, so the tagged path runs here on smollm2's tokenizer given a Hermes-style template (the
+real Qwen models are measured by ``specrag eval tools``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import xgrammar as xgr
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
+
+from agent.loop import AgentLoop, canonical_call
+from agent.prompt import PASSAGES_AND_TOOLS_SYSTEM, TOOLS_SYSTEM, PromptParts, default_system, system_message
+from agent.trace import Tracer, TraceStore
+from decoding.grammar_compile import text_without_ebnf
+from decoding.model import CausalLM
+from tests.agent_helpers import Scripted, add
+from tools import ToolCall, ToolRegistry
+from tools.formats import BARE_JSON, HERMES, format_for
+
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{{ messages[0]['content'] if messages[0]['role'] == 'system' else '' }}"
+    "\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\nFor each function call, "
+    'return <tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and tools %}"
+    "{%- elif message['role'] == 'assistant' and message.tool_calls %}<|im_start|>assistant"
+    "{%- for call in message.tool_calls %}\n<tool_call>\n"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}\n</tool_call>'
+    "{%- endfor %}<|im_end|>\n"
+    "{%- elif message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def hermes_tokenizer(smollm2: CausalLM) -> Any:
+    tokenizer = AutoTokenizer.from_pretrained(smollm2.tokenizer.name_or_path)
+    tokenizer.chat_template = HERMES_TEMPLATE
+    return tokenizer
+
+
+def test_the_format_follows_the_chat_template(smollm2: CausalLM, hermes_tokenizer: Any) -> None:
+    assert format_for(smollm2.tokenizer) is BARE_JSON  # smollm2's template knows nothing of tools
+    assert format_for(hermes_tokenizer) is HERMES
+
+
+def test_hermes_calls_are_read_tagged_bare_or_fenced() -> None:
+    one = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    assert HERMES.parse(one) == [ToolCall("add", {"a": 1, "b": 2})]
+    two = one + '\n<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
+    assert [call.arguments for call in HERMES.parse(two) or []] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
+    assert HERMES.parse('{"name": "add", "arguments": {"a": 1, "b": 2}}') == [ToolCall("add", {"a": 1, "b": 2})]
+    fenced = '```json\n{\n  "name": "add",\n  "arguments": {"a": 1, "b": 2}\n}\n```'
+    assert HERMES.parse(fenced) == [ToolCall("add", {"a": 1, "b": 2})]
+    assert HERMES.parse("The sum is 3.") is None
+    for broken in ('<tool_call>\n{"name": "add", "argu', "<tool_call>\n{}\n</tool_call> trailing text"):
+        with pytest.raises(ValueError):
+            HERMES.parse(broken)
+
+
+def test_the_assistant_turn_goes_back_in_the_templates_own_shape() -> None:
+    calls = [ToolCall("add", {"a": 1, "b": 2})]
+    assert HERMES.assistant_message("ignored", calls) == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}],
+    }
+    assert BARE_JSON.assistant_message(' {"name": "add"} ', calls) == {
+        "role": "assistant",
+        "content": '{"name": "add"}',
+    }
+
+
+@pytest.fixture(scope="module")
+def text_grammar(smollm2: CausalLM) -> xgr.CompiledGrammar:
+    grammar = xgr.Grammar.from_ebnf(text_without_ebnf(["<tool_call>", '"arguments"'], first_not="{"))
+    return xgr.GrammarCompiler(smollm2.grammar_compiler.tokenizer_info).compile_grammar(grammar)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet='<tool_cal>{}"rgumens x', min_size=1, max_size=24))
+def test_text_answers_never_contain_call_syntax(text_grammar: xgr.CompiledGrammar, text: str) -> None:
+    matcher = xgr.GrammarMatcher(text_grammar)
+    accepted = matcher.accept_string(text) and matcher.is_completed()
+    expected = not text.startswith("{") and "<tool_call>" not in text and '"arguments"' not in text
+    assert accepted == expected
+
+
+def test_the_hermes_grammar_takes_every_written_form_and_text_but_no_broken_call(smollm2: CausalLM) -> None:
+    compiler = smollm2.grammar_compiler
+    grammar = ToolRegistry([add]).grammar(compiler, allow_text=True, syntax=HERMES.syntax)
+
+    def accepts(text: str) -> bool:
+        matcher = xgr.GrammarMatcher(grammar.compiled)
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    call = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+    assert accepts(f"<tool_call>\n{call}\n</tool_call>")
+    assert accepts(f"<tool_call>\n{call}\n</tool_call>\n<tool_call>\n{call}\n</tool_call>")  # parallel
+    assert accepts(call) and accepts('```json\n{\n  "name": "add", "arguments": {"a": 1, "b": 2}\n}\n```')
+    assert accepts("The sum is 3.")
+    assert not accepts('{"name": "add", "arguments": {"a": "one"}}')  # b missing, a not an integer
+    assert not accepts(f"Sure: {call}")  # call syntax inside a text answer
+    text_only = compiler.text_answer(HERMES.syntax)
+    matcher = xgr.GrammarMatcher(text_only.compiled)
+    assert not (matcher.accept_string(f"<tool_call>\n{call}") and matcher.is_completed())
+
+
+def test_the_system_prompt_follows_what_is_offered() -> None:
+    assert default_system(has_passages=False, has_tools=True) == TOOLS_SYSTEM
+    assert default_system(has_passages=True, has_tools=True) == PASSAGES_AND_TOOLS_SYSTEM
+    assert "not in the documents" not in TOOLS_SYSTEM
+    schema = ToolRegistry([add]).openai_schemas()
+    native = PromptParts("q", tool_schemas=schema, call_format=HERMES)
+    assert system_message(native) == TOOLS_SYSTEM and native.template_tools == schema  # the template lists them
+    bare = PromptParts("q", tool_schemas=schema, call_format=BARE_JSON)
+    assert "- add(" in system_message(bare) and bare.template_tools is None
+
+
+def tagged(*calls: tuple[str, dict[str, Any]]) -> str:
+    return "\n".join(
+        f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>" for name, arguments in calls
+    )
+
+
+def hermes_loop(tokenizer: Any, replies: list[str]) -> tuple[AgentLoop, Scripted, list[tuple[list[str], str]]]:
+    script = Scripted(tokenizer, replies)
+    grammars: list[tuple[list[str], str]] = []
+
+    def grammar_for(registry: ToolRegistry, names: list[str], call_format: Any) -> None:
+        grammars.append((list(names), call_format.name))
+
+    loop = AgentLoop(tokenizer, script, ToolRegistry([add]), grammar_for, tracer=Tracer(store=TraceStore()))
+    return loop, script, grammars
+
+
+def test_parallel_calls_run_and_come_back_as_tool_messages(hermes_tokenizer: Any) -> None:
+    loop, script, _ = hermes_loop(
+        hermes_tokenizer, [tagged(("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})), "3 and 7."]
+    )
+    result = loop.run("Add 1 and 2, and 3 and 4.")
+    assert [step["tool_result"]["content"] for step in result["steps"][:2]] == ["3", "7"]
+    assert [step["index"] for step in result["steps"]] == [0, 0, 1] and result["answer"] == "3 and 7."
+    second = hermes_tokenizer.decode(script.requests[1].prompt_tokens)
+    assert second.count("<tool_response>") == 2 and second.count("<tool_call>") == 3  # 1 in the system prompt
+
+
+def test_a_repeated_call_is_not_run_again_and_the_next_step_offers_no_tools(hermes_tokenizer: Any) -> None:
+    same = tagged(("add", {"a": 1, "b": 2}))
+    loop, _, grammars = hermes_loop(hermes_tokenizer, [same, same, "It is 3."])
+    result = loop.run(
+        "What is 1 + 2?",
+    )
+    calls = [step for step in result["steps"] if step["kind"] == "tool_call"]
+    assert [step["repeated"] for step in calls] == [False, True]
+    assert "already made" in calls[1]["tool_result"]["content"]
+    assert grammars == [(["add"], "hermes"), (["add"], "hermes"), ([], "hermes")]  # text only after the repeat
+    assert result["answer"] == "It is 3." and canonical_call(ToolCall("add", {"b": 2, "a": 1})) == canonical_call(
+        ToolCall("add", {"a": 1, "b": 2})
+    )
+
+
+def test_the_last_step_may_only_answer_in_text(hermes_tokenizer: Any) -> None:
+    loop, _, grammars = hermes_loop(hermes_tokenizer, [tagged(("add", {"a": 1, "b": 1})), "Two."])
+    loop.run("1 + 1?", loop_options(max_steps=2))
+    assert grammars == [(["add"], "hermes"), ([], "hermes")]
+
+
+def loop_options(**values: Any) -> Any:
+    from agent.loop import RunOptions
+
+    return RunOptions(**values)
