@@ -43,10 +43,12 @@ from decoding.grammar_compile import UnsupportedSchemaError, enforceable_schema
 from decoding.request import GenerationRequest
 from decoding.sampling import SamplingParams
 from decoding.stats import GenerationStats
-from tools import parse_tool_call
+from tools import ToolCall
+from tools.formats import BARE_JSON, CallFormat
 from tools.schema_check import SchemaViolation, validate_json_text, validate_value
 
 DEFAULT_TOOL_SYSTEM = "You are a helpful assistant."
+_CALL_OPENINGS = "{<`"  # the first character of a bare, tagged or fenced call
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
@@ -59,6 +61,7 @@ class ChatPlan:
     stops: list[str]
     response_schema: dict[str, Any] | None = None  # what a finished text answer must validate against
     tool_parameters: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> parameters schema
+    call_format: CallFormat = BARE_JSON  # how the model writes calls (its chat template's format)
     completion_id: str = field(default_factory=lambda: f"chatcmpl-{secrets.token_hex(12)}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -79,10 +82,13 @@ def plan_chat(agent: Any, body: ChatCompletionRequest, limits: ServerLimits) -> 
         raise invalid("stop", f"at most {limits.max_stop_sequences} stop sequences")
     tools = _active_tools(body)
     tool_schemas = [_openai_tool(tool) for tool in tools]
-    grammar, tool_names = _grammar(agent.model.grammar_compiler, body, tools)
+    call_format = getattr(agent, "call_format", BARE_JSON)
+    grammar, tool_names = _grammar(agent.model.grammar_compiler, body, tools, call_format)
     tokenizer = agent.model.tokenizer
     try:
-        prompt = encode_messages(tokenizer, chat_messages(body, tool_schemas))
+        messages = chat_messages(body, tool_schemas, call_format)
+        template_tools = tool_schemas if call_format.native and tool_schemas else None
+        prompt = encode_messages(tokenizer, messages, tools=template_tools)
     except ApiError:
         raise
     except Exception as error:  # a template that refuses the conversation, text that cannot be encoded
@@ -102,7 +108,8 @@ def plan_chat(agent: Any, body: ChatCompletionRequest, limits: ServerLimits) -> 
         grammar=grammar,
     )
     parameters = {tool.function.name: tool.function.parameters or EMPTY_PARAMETERS for tool in tools}
-    return ChatPlan(body, prompt, request, tool_names, stops, _response_schema(body, tools), parameters)
+    response_schema = _response_schema(body, tools)
+    return ChatPlan(body, prompt, request, tool_names, stops, response_schema, parameters, call_format)
 
 
 def _response_schema(body: ChatCompletionRequest, tools: list[ToolDefinition]) -> dict[str, Any] | None:
@@ -152,7 +159,7 @@ def _openai_tool(tool: ToolDefinition) -> dict[str, Any]:
 
 
 def _grammar(
-    compiler: Any, body: ChatCompletionRequest, tools: list[ToolDefinition]
+    compiler: Any, body: ChatCompletionRequest, tools: list[ToolDefinition], call_format: CallFormat
 ) -> tuple[Grammar | None, list[str]]:
     if tools:
         choice = body.tool_choice
@@ -161,7 +168,7 @@ def _grammar(
         ]
         specs = [(tool.function.name, tool.function.parameters or EMPTY_PARAMETERS) for tool in chosen]
         try:
-            grammar = compiler.tool_calls(specs, allow_text=choice in (None, "auto"))
+            grammar = compiler.tool_calls(specs, allow_text=choice in (None, "auto"), syntax=call_format.syntax)
         except (UnsupportedSchemaError, TypeError, AttributeError, ValueError) as error:
             raise invalid("tools", f"the tool schemas cannot be compiled: {error}") from None
         return grammar, [name for name, _ in specs]
@@ -181,25 +188,40 @@ def _grammar(
         raise invalid("response_format.json_schema.schema", f"not a valid JSON schema: {error}") from None
 
 
-def chat_messages(body: ChatCompletionRequest, tool_schemas: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
-    """The conversation as chat-template messages (string contents, tools in the system message)."""
-    messages = []
+def chat_messages(
+    body: ChatCompletionRequest, tool_schemas: Sequence[dict[str, Any]], call_format: CallFormat = BARE_JSON
+) -> list[dict[str, Any]]:
+    """The conversation as chat-template messages. Native format: earlier calls stay in
+    ``tool_calls`` and the template renders them and the tools; otherwise calls are written
+    back as the model's JSON and the tools are described in the system message."""
+    messages: list[dict[str, Any]] = []
     for index, message in enumerate(body.messages):
         role = "system" if message.role == "developer" else message.role
         content = _text(message.content, f"messages[{index}].content")
         if role == "assistant" and message.tool_calls:
             calls = [
-                json.dumps({"name": call.function.name, "arguments": _arguments(call.function.arguments, index, j)})
+                ToolCall(call.function.name, _arguments(call.function.arguments, index, j))
                 for j, call in enumerate(message.tool_calls)
             ]
-            content = "\n".join([content, *calls] if content else calls)
+            if call_format.native:
+                messages.append({**call_format.assistant_message(content, calls), "content": content})
+                continue
+            content = "\n".join(
+                [content, *(call_format.render_call(call) for call in calls)]
+                if content
+                else [call_format.render_call(call) for call in calls]
+            )
         messages.append({"role": role, "content": content})
-    if tool_schemas:
+    if tool_schemas and not call_format.native:
         if messages[0]["role"] == "system":
-            messages[0]["content"] = system_message(PromptParts("", messages[0]["content"], tool_schemas))
+            messages[0]["content"] = system_message(
+                PromptParts("", messages[0]["content"], tool_schemas, call_format=call_format)
+            )
         else:
-            system = system_message(PromptParts("", DEFAULT_TOOL_SYSTEM, tool_schemas))
-            messages.insert(0, {"role": "system", "content": system})
+            parts = PromptParts("", DEFAULT_TOOL_SYSTEM, tool_schemas, call_format=call_format)
+            messages.insert(0, {"role": "system", "content": system_message(parts)})
+    elif tool_schemas and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": DEFAULT_TOOL_SYSTEM})
     return messages
 
 
@@ -303,23 +325,33 @@ class ChatRun:
     def message(self) -> tuple[dict[str, Any], str]:
         """The assistant message and finish reason, once the pieces are exhausted; an answer
         that claims completion is validated against its schema first."""
-        if self.plan.tool_names and self.text.lstrip().startswith("{"):
-            try:
-                call = parse_tool_call(self.text)
-            except ValueError:
-                call = None  # cut short by max_tokens or a stop: it stays text
-            if call is not None and call.name in self.plan.tool_names:
-                self._validated(lambda: validate_value(call.arguments, self.plan.tool_parameters[call.name]))
-                tool_call = {
+        calls = self._calls()
+        if calls:
+            for call in calls:
+                parameters = self.plan.tool_parameters[call.name]
+                self._validated(lambda call=call, parameters=parameters: validate_value(call.arguments, parameters))
+            tool_calls = [
+                {
                     "id": f"call_{secrets.token_hex(12)}",
                     "type": "function",
                     "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
                 }
-                return {"role": "assistant", "content": None, "tool_calls": [tool_call]}, "tool_calls"
+                for call in calls
+            ]
+            return {"role": "assistant", "content": None, "tool_calls": tool_calls}, "tool_calls"
         schema = self.plan.response_schema
         if schema is not None and self.finish_reason == "stop":
             self._validated(lambda: validate_json_text(self.text, schema))
         return {"role": "assistant", "content": self.text}, self.finish_reason
+
+    def _calls(self) -> list[ToolCall]:
+        if not self.plan.tool_names:
+            return []
+        try:
+            calls = self.plan.call_format.parse(self.text) or []
+        except ValueError:
+            return []  # cut short by max_tokens or a stop: it stays text
+        return calls if all(call.name in self.plan.tool_names for call in calls) else []
 
     def _validated(self, check: Any) -> None:
         try:
@@ -371,7 +403,7 @@ class ChatRun:
         """``chat.completion.chunk`` objects; the first is yielded after the first engine event.
 
         With tools, text is streamed once it is known not to be a call (it does not open a
-        JSON object); a call is sent whole in one ``tool_calls`` delta when it is complete.
+        JSON object, a tag or a fence); calls are sent whole in one ``tool_calls`` delta.
         """
         deciding = bool(self.plan.tool_names)
         held = ""
@@ -383,7 +415,7 @@ class ChatRun:
             text = piece
             if deciding:
                 held += piece
-                if not held.strip() or held.lstrip().startswith("{"):
+                if not held.strip() or held.lstrip()[0] in _CALL_OPENINGS:
                     continue
                 deciding, text, held = False, held, ""
             if text:

@@ -69,6 +69,11 @@ class Agent:
             call_format=FORMATS[call_format] if isinstance(call_format, str) else call_format,
         )
 
+    @property
+    def call_format(self) -> CallFormat:
+        """How the model writes tool calls (its chat template's format, or bare JSON)."""
+        return self.loop.call_format
+
     def run(self, question: str, **options: Any) -> dict[str, Any]:
         """Run to the final answer: ``{run_id, answer, citations, steps, usage, speculation, trace_id}``."""
         return self.loop.run(question, RunOptions(**options))

@@ -41,8 +41,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--index", default=None, help="an index folder (default: no retrieval)")
     parser.add_argument("--question", default="What is 21 degrees Celsius in Fahrenheit?")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args(argv)
-    agent = Agent(tools=[convert_temperature], index=args.index, model=args.model)
+    agent = Agent(tools=[convert_temperature], index=args.index, model=args.model, dtype=args.dtype)
     result = agent.run(args.question, max_tokens=args.max_tokens, max_steps=3)
     for step in result["steps"]:
         if step["kind"] == "tool_call":

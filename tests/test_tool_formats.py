@@ -180,3 +180,48 @@ def loop_options(**values: Any) -> Any:
     from agent.loop import RunOptions
 
     return RunOptions(**values)
+
+
+class _TemplateAgent:
+    """What plan_chat reads of an agent: the model's tokenizer and grammar compiler, and the
+    call format (here smollm2's vocabulary under a Hermes-style template)."""
+
+    def __init__(self, smollm2: CausalLM, tokenizer: Any) -> None:
+        self.model = type("Model", (), {"tokenizer": tokenizer, "grammar_compiler": smollm2.grammar_compiler})()
+        self.call_format = HERMES
+
+
+def test_the_openai_endpoint_renders_native_tools_and_reads_parallel_calls(
+    smollm2: CausalLM, hermes_tokenizer: Any
+) -> None:
+    import msgspec
+
+    from agent.api_models import ChatCompletionRequest, ServerLimits
+    from agent.openai_compat import ChatRun, plan_chat
+
+    add_tool = ToolRegistry([add]).openai_schemas()[0]
+    earlier_call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 1}'}}
+    body = msgspec.convert(
+        {
+            "messages": [
+                {"role": "user", "content": "Add 1 and 1, then 2 and 2 and 3 and 3."},
+                {"role": "assistant", "content": None, "tool_calls": [earlier_call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "2"},
+            ],
+            "tools": [add_tool],
+        },
+        ChatCompletionRequest,
+    )
+    plan = plan_chat(_TemplateAgent(smollm2, hermes_tokenizer), body, ServerLimits(max_prompt_tokens=4096))
+    prompt = hermes_tokenizer.decode(plan.prompt)
+    assert "<tools>" in prompt and '"name": "add"' in prompt  # the template rendered the tool
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 1}}' in prompt  # the earlier call, natively
+    assert "<tool_response>\n2\n</tool_response>" in prompt
+    run = ChatRun(None, plan, None, 0.0)
+    run.text = tagged(("add", {"a": 2, "b": 2}), ("add", {"a": 3, "b": 3}))
+    message, finish_reason = run.message()
+    assert finish_reason == "tool_calls"
+    assert [json.loads(call["function"]["arguments"]) for call in message["tool_calls"]] == [
+        {"a": 2, "b": 2},
+        {"a": 3, "b": 3},
+    ]
