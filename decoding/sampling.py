@@ -10,10 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
+# As vLLM's sampler: a temperature this small is greedy. Dividing logits by a subnormal
+# temperature overflows to inf, and the softmax of inf is nan.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How a token is chosen. ``temperature == 0`` means greedy (argmax)."""
+    """How a token is chosen. ``temperature`` below ``GREEDY_BELOW`` means greedy (argmax)."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = no top-k filter
@@ -30,7 +34,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -66,6 +70,8 @@ def _mask_outside_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
     keep_sorted = mass_before < top_p
+    # A top_p below float32's smallest subnormal compares as 0 < 0; the top token stays anyway.
+    keep_sorted[..., 0] = True
     keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
     kept = probs.masked_fill(~keep, 0.0)
     return kept / kept.sum(dim=-1, keepdim=True)

@@ -43,6 +43,20 @@ def test_top_p_always_keeps_the_top_token() -> None:
     assert probs[0] == 1.0 and probs[1:].sum() == 0
 
 
+def test_subnormal_top_p_keeps_the_top_token() -> None:
+    # 5e-324 rounds to 0.0 in float32; schemathesis found it made every mass 0 and the draw nan.
+    probs = probs_from_logits(LOGITS, SamplingParams(temperature=1.0, top_p=5e-324))
+    assert probs[0] == 1.0 and probs[1:].sum() == 0
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-6])
+def test_a_vanishing_temperature_is_greedy(temperature: float) -> None:
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy
+    assert select_token(LOGITS, params, torch.Generator().manual_seed(0)) == 0
+    assert torch.isfinite(probs_from_logits(LOGITS, params)).all()
+
+
 def test_transforms_apply_rowwise_on_batches() -> None:
     batch = torch.stack([LOGITS, LOGITS.flip(0)])
     params = SamplingParams(temperature=0.8, top_k=4, top_p=0.9)
