@@ -7,9 +7,13 @@ template has one (``tools/formats.py``: Qwen's ``<tool_call>`` blocks, several p
 results as ``tool`` messages), else as a bare JSON object. The output is generated under
 the tool-choice grammar, so it is either valid calls to offered tools or plain text; plain
 text is the final answer. A call identical to an earlier one of the run is not executed
-again: the model gets the earlier result and the next step offers no tools. The last
-allowed step offers no tools either, and its grammar admits only text, so a run always ends
-with an answer and never with call syntax.
+again, nor written into the conversation: the model is asked again from where it stood,
+with the earlier result above it, and may then only answer (small models given a result
+tend to make the same call once more). The last allowed step, and a step after a repeat,
+still show the tools (the prompt stays a prefix of the cached one) but their grammar admits
+only text, and once tools have run they end with a user turn asking for the answer
+(``agent/prompt.py``: ``ANSWER_REQUEST``), so a run always ends with an answer and never
+with call syntax.
 
 With ``abstain_threshold`` set, an answerability probe runs first (``agent/answerability.py``)
 and a run it judges unanswerable replies ``ABSTENTION`` without generating. With
@@ -28,8 +32,8 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from agent.answerability import ABSTENTION, AnswerTokens, NextTokenLogits, p_unanswerable, probe_messages
@@ -102,7 +106,7 @@ class _Run:
     steps: list[dict[str, Any]] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)  # this turn's tool calls and results
     executed: dict[str, ToolResult] = field(default_factory=dict)  # canonical call -> its result
-    answer_now: bool = False  # a call was repeated: the next step offers no tools
+    answer_now: bool = False  # every call of a turn was a repeat: the next step may only answer
     stats: list[GenerationStats] = field(default_factory=list)
     answerability: dict[str, Any] | None = None
     attribution: dict[str, Any] | None = None
@@ -178,19 +182,27 @@ class AgentLoop:
         """Generate, run the tools called, repeat, until the model answers in text."""
         options = run.options
         offered_in_run = bool(self._allowed_tools(options)) and options.max_steps > 1
+        shown_tools = self._allowed_tools(options) if offered_in_run else []
         for step in range(options.max_steps):
             last = step == options.max_steps - 1 or run.answer_now
-            tool_names = [] if last else self._allowed_tools(options)
-            text, stats = yield from self._generate_step(run, step, tool_names, offered_in_run)
+            tool_names = [] if last else shown_tools
+            text, stats = yield from self._generate_step(run, step, tool_names, shown_tools)
             calls = self._parse_calls(text) if tool_names else None
             if not calls:
                 run.steps.append(step_record(step, "answer", stats))
                 return text.strip()
-            run.messages.append(self.call_format.assistant_message(text, calls))
-            for call in calls:
+            fresh = first_time(calls, run.executed)
+            new_calls = [call for call, new in zip(calls, fresh, strict=True) if new]
+            if not new_calls:
+                run.answer_now = True  # every call was made before: ask again, text only
+            elif len(new_calls) < len(calls):  # the conversation keeps only the calls that ran
+                text = self.call_format.syntax.separator.join(map(self.call_format.render_call, new_calls))
+            if new_calls:
+                run.messages.append(self.call_format.assistant_message(text, new_calls))
+            for call, new in zip(calls, fresh, strict=True):
                 yield {"event": "tool_call", "data": {"step": step, "name": call.name, "arguments": call.arguments}}
-                result, repeated = self._execute_once(run, call)
-                run.steps.append({**step_record(step, "tool_call", stats, call, result), "repeated": repeated})
+                result = self._execute_new(run, call) if new else run.executed[canonical_call(call)]
+                run.steps.append({**step_record(step, "tool_call", stats, call, result), "repeated": not new})
                 yield {"event": "tool_result", "data": {"step": step, **tool_result_dict(result)}}
         return ""
 
@@ -226,14 +238,16 @@ class AgentLoop:
         return shown
 
     def _generate_step(
-        self, run: _Run, step: int, tool_names: list[str], offered_in_run: bool
+        self, run: _Run, step: int, tool_names: list[str], shown_tools: list[str]
     ) -> Iterator[AgentEvent] | Any:  # a generator returning (text, stats)
+        """One generation: ``tool_names`` may be called, ``shown_tools`` are in the prompt."""
         with run.trace.span("prompt_build") as span:
-            prompt = prompt_ids(self.tokenizer, self._parts(run, tool_names, offered_in_run))
+            parts = replace(self._parts(run, shown_tools), answer_request=bool(run.executed) and not tool_names)
+            prompt = prompt_ids(self.tokenizer, parts)
             span.set_attribute("prompt_tokens", len(prompt))
             # Compiled here (cached after the first time): part of building the request. A step
-            # without tools in a run that offered some may only answer in text.
-            grammar = self.grammar_for(self.registry, tool_names, self.call_format) if offered_in_run else None
+            # that shows tools it may not call may only answer in text.
+            grammar = self.grammar_for(self.registry, tool_names, self.call_format) if shown_tools else None
         options = run.options
         request = GenerationRequest(
             prompt,
@@ -270,7 +284,7 @@ class AgentLoop:
         options = run.options
         tool_names = self._allowed_tools(options) if options.max_steps > 1 else []
         with run.trace.span("answerability") as span:
-            parts = self._parts(run, tool_names, bool(tool_names))
+            parts = self._parts(run, tool_names)
             prompt = encode_messages(self.tokenizer, probe_messages(parts), tools=parts.template_tools)
             capture = NextTokenLogits()
             request = GenerationRequest(prompt, max_tokens=1, speculation="off", logits_processors=[capture])
@@ -303,7 +317,7 @@ class AgentLoop:
             span.set_attribute("cited_sentences", sum(choice.label is not None for choice in choices))
         return attributed
 
-    def _parts(self, run: _Run, tool_names: list[str], offered_in_run: bool) -> PromptParts:
+    def _parts(self, run: _Run, tool_names: list[str]) -> PromptParts:
         return PromptParts(
             run.question,
             system=self.system,
@@ -313,7 +327,7 @@ class AgentLoop:
             passages=run.prompt_passages,
             steps=run.messages,
             call_format=self.call_format,
-            tools_in_run=offered_in_run,
+            tools_in_run=bool(tool_names),
         )
 
     def _record_chat(self, trace: Trace, chat: Any, cycles: list[tuple[Any, int]], stats: GenerationStats) -> None:
@@ -338,21 +352,12 @@ class AgentLoop:
             for info, committed in cycles[1:]:
                 decode.add_cycle(SpeculationCycle.from_engine(info, committed))
 
-    def _execute_once(self, run: _Run, call: ToolCall) -> tuple[ToolResult, bool]:
-        """Run ``call`` unless the run already did; (result, whether it was a repeat). The
-        result goes back to the model as a ``tool`` message either way."""
-        key = canonical_call(call)
-        repeated = key in run.executed
-        if repeated:
-            earlier = run.executed[key]
-            note = "\n(This call was already made; its result is above. Answer the question now.)"
-            result = ToolResult(earlier.name, earlier.content + note, earlier.error, 0.0)
-            run.answer_now = True
-        else:
-            result = self._execute(run, call)
-            run.executed[key] = result
+    def _execute_new(self, run: _Run, call: ToolCall) -> ToolResult:
+        """Run a call the run has not made; its result goes back as a ``tool`` message."""
+        result = self._execute(run, call)
+        run.executed[canonical_call(call)] = result
         run.messages.append({"role": "tool", "content": result.content})
-        return result, repeated
+        return result
 
     def _execute(self, run: _Run, call: ToolCall) -> ToolResult:
         with run.trace.span(f"execute_tool {call.name}", {"gen_ai.tool.name": call.name}) as span:
@@ -412,6 +417,17 @@ class AgentLoop:
             "attribution": run.attribution,
             "trace_id": run.trace.trace_id,
         }
+
+
+def first_time(calls: Sequence[ToolCall], executed: Mapping[str, ToolResult]) -> list[bool]:
+    """Per call: not made earlier in the run, nor earlier in the same turn."""
+    seen = set(executed)
+    fresh = []
+    for call in calls:
+        key = canonical_call(call)
+        fresh.append(key not in seen)
+        seen.add(key)
+    return fresh
 
 
 def canonical_call(call: ToolCall) -> str:

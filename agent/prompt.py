@@ -51,6 +51,14 @@ PASSAGES_AND_TOOLS_SYSTEM = (
 )
 
 
+# Asked, as a user turn after the tool results, when a step may only answer (the last step,
+# or after the model repeated a call), as smolagents asks for a final answer at its step
+# limit. Measured on qwen2.5-coder-0.5b (tool-use eval, dev half): held to text with no
+# request, it wrote its call again in a code fence; told so inside the tool result, it
+# copied the note as its answer.
+ANSWER_REQUEST = "Using the tool results above, answer in plain text: {question}"
+
+
 def default_system(has_passages: bool, has_tools: bool) -> str:
     """The system prompt for what the run offers: passages, tools, or both."""
     if has_tools:
@@ -74,6 +82,7 @@ class PromptParts:
     steps: Sequence[dict[str, Any]] = field(default_factory=tuple)  # this turn's tool calls and results
     call_format: CallFormat = BARE_JSON  # HERMES: the chat template renders the tools itself
     tools_in_run: bool = False  # tools were offered at some step (the last step offers none)
+    answer_request: bool = False  # end with ANSWER_REQUEST: the step may only answer
 
     @property
     def system_text(self) -> str:
@@ -102,11 +111,14 @@ def system_message(parts: PromptParts) -> str:
     if not parts.tool_schemas or parts.call_format.native:
         return parts.system_text
     tools = "\n".join(tool_line(schema) for schema in parts.tool_schemas)
-    return (
-        f"{parts.system_text}\n\nWhen you need a tool, reply with only a JSON object "
-        '{"name": "<tool>", "arguments": {...}} and nothing else. Otherwise answer in plain text.'
-        f"\nTools:\n{tools}"
+    syntax = parts.call_format.syntax
+    call = f'{syntax.open}{{"name": "<tool>", "arguments": {{...}}}}{syntax.close}'
+    how = (
+        f"When you need a tool, reply with only a JSON object {call} and nothing else."
+        if not syntax.open
+        else f"When you need a tool, reply with only {call}, one per call, and nothing else."
     )
+    return f"{parts.system_text}\n\n{how} Otherwise answer in plain text.\nTools:\n{tools}"
 
 
 def tool_line(schema: dict[str, Any]) -> str:
@@ -143,12 +155,18 @@ def user_message(parts: PromptParts) -> str:
 
 def build_messages(parts: PromptParts) -> list[dict[str, Any]]:
     """Chat messages in stable-first order: system + tools, history, passages + question, then
-    this turn's steps (each step's prompt extends the previous one, so it hits the cache)."""
+    this turn's steps (each step's prompt extends the previous one, so it hits the cache),
+    then the request for an answer when the step may no longer call tools."""
     return [
         {"role": "system", "content": system_message(parts)},
         *parts.history,
         {"role": "user", "content": user_message(parts)},
         *parts.steps,
+        *(
+            [{"role": "user", "content": ANSWER_REQUEST.format(question=parts.question)}]
+            if parts.answer_request
+            else []
+        ),
     ]
 
 

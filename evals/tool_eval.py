@@ -47,7 +47,8 @@ class TaskScore:
     selection_correct: bool
     arguments_correct: bool
     arguments_valid: bool
-    repeated_calls: int
+    repeated_calls: int  # the model asked again for a call it had made (not run again)
+    executed_twice: int  # calls run although an identical one had run (must be 0)
     call_syntax_answer: bool
     seconds: float
     errors: list[str] = field(default_factory=list)
@@ -78,9 +79,16 @@ def score_task(task: dict[str, Any], result: dict[str, Any], seconds: float) -> 
         arguments_correct=all(any(_call_matches(call, want) for call in calls) for want in expected),
         arguments_valid=all((step["tool_result"]["error"] or {}).get("type") != "invalid_arguments" for step in steps),
         repeated_calls=sum(bool(step.get("repeated")) for step in steps),
+        executed_twice=_executed_twice(steps),
         call_syntax_answer=is_call_syntax(answer),
         seconds=seconds,
     )
+
+
+def _executed_twice(steps: list[dict[str, Any]]) -> int:
+    """Calls that ran (a result was computed, not reused) though an identical one ran before."""
+    ran = [json.dumps(step["tool_call"], sort_keys=True) for step in steps if not step.get("repeated")]
+    return len(ran) - len(set(ran))
 
 
 def answer_matches(answer: str, expected: list[str], match: str = "all") -> bool:
@@ -96,7 +104,7 @@ def answer_matches(answer: str, expected: list[str], match: str = "all") -> bool
 
 def is_call_syntax(answer: str) -> bool:
     stripped = answer.strip()
-    return stripped.startswith("{") or "<tool_call>" in stripped or '"arguments"' in stripped
+    return stripped.startswith("{") or "<tool_call>" in stripped or '"arguments' in stripped or "'arguments" in stripped
 
 
 def _call_matches(call: dict[str, Any], want: dict[str, Any]) -> bool:
@@ -127,6 +135,7 @@ def summarise(scores: list[TaskScore]) -> dict[str, Any]:
             "arguments_valid": _share(items, lambda s: s.arguments_valid),
             "calls_per_task": sum(len(s.calls) for s in items) / len(items),
             "tasks_with_repeated_calls": sum(s.repeated_calls > 0 for s in items),
+            "tasks_with_a_call_executed_twice": sum(s.executed_twice > 0 for s in items),
             "call_syntax_answers": sum(s.call_syntax_answer for s in items),
             "irrelevance_no_call": _share(irrelevant, lambda s: not s.calls) if irrelevant else None,
             "median_seconds": sorted(s.seconds for s in items)[len(items) // 2],
@@ -156,8 +165,9 @@ def markdown(summary: dict[str, Any], config: dict[str, Any]) -> str:
         f"max_tokens {config['max_tokens']}, max_steps {config['max_steps']})",
         "",
         "| split | tasks | answer correct | tool selection | arguments | valid arguments | calls/task "
-        "| tasks with repeated calls | call-syntax answers | irrelevance: no call |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| tasks with a repeated call (not run) | tasks with a call run twice | call-syntax answers "
+        "| irrelevance: no call |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for split in ("held_out", "dev", "all"):
         block = summary[split]
@@ -167,7 +177,8 @@ def markdown(summary: dict[str, Any], config: dict[str, Any]) -> str:
         rows.append(
             f"| {split} | {block['tasks']} | {block['answer_correct']:.0%} | {block['selection_correct']:.0%} "
             f"| {block['arguments_correct']:.0%} | {block['arguments_valid']:.0%} | {block['calls_per_task']:.2f} "
-            f"| {block['tasks_with_repeated_calls']} | {block['call_syntax_answers']} | {irrelevance} |"
+            f"| {block['tasks_with_repeated_calls']} | {block['tasks_with_a_call_executed_twice']} "
+            f"| {block['call_syntax_answers']} | {irrelevance} |"
         )
     rows += ["", "| category | held-out answer correct | dev answer correct |", "| --- | ---: | ---: |"]
     for category, splits in summary["by_category"].items():
@@ -182,7 +193,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", choices=("dev", "held_out", "all"), default="all")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--max-steps", type=int, default=4)
-    parser.add_argument("--call-format", default="auto", help="auto (the chat template's), hermes or bare_json")
+    parser.add_argument(
+        "--call-format", default="auto", help="auto (the chat template's), hermes, bare_json or tagged_json"
+    )
     parser.add_argument("--index", help="index for the documents tasks (default: the bundled sample)")
     parser.add_argument("--only", help="comma-separated task ids")
     parser.add_argument("--out", type=Path, help="folder for report.json and report.md")

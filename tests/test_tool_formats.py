@@ -16,13 +16,20 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from agent.loop import AgentLoop, canonical_call
-from agent.prompt import PASSAGES_AND_TOOLS_SYSTEM, TOOLS_SYSTEM, PromptParts, default_system, system_message
+from agent.prompt import (
+    ANSWER_REQUEST,
+    PASSAGES_AND_TOOLS_SYSTEM,
+    TOOLS_SYSTEM,
+    PromptParts,
+    default_system,
+    system_message,
+)
 from agent.trace import Tracer, TraceStore
 from decoding.grammar_compile import text_without_ebnf
 from decoding.model import CausalLM
 from tests.agent_helpers import Scripted, add
 from tools import ToolCall, ToolRegistry
-from tools.formats import BARE_JSON, HERMES, format_for
+from tools.formats import BARE_JSON, HERMES, TAGGED_JSON, format_for
 
 HERMES_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n{{ messages[0]['content'] if messages[0]['role'] == 'system' else '' }}"
@@ -114,6 +121,9 @@ def test_the_hermes_grammar_takes_every_written_form_and_text_but_no_broken_call
     text_only = compiler.text_answer(HERMES.syntax)
     matcher = xgr.GrammarMatcher(text_only.compiled)
     assert not (matcher.accept_string(f"<tool_call>\n{call}") and matcher.is_completed())
+    for evasion in ('```json\n{"name": "add", "arguments\': {"a": 1}}\n```', "Call add with 'arguments': 1"):
+        matcher = xgr.GrammarMatcher(text_only.compiled)
+        assert not (matcher.accept_string(evasion) and matcher.is_completed())  # seen from the 0.5B
 
 
 def test_the_system_prompt_follows_what_is_offered() -> None:
@@ -125,6 +135,18 @@ def test_the_system_prompt_follows_what_is_offered() -> None:
     assert system_message(native) == TOOLS_SYSTEM and native.template_tools == schema  # the template lists them
     bare = PromptParts("q", tool_schemas=schema, call_format=BARE_JSON)
     assert "- add(" in system_message(bare) and bare.template_tools is None
+    assert "<tool_call>" not in system_message(bare)
+    tags = PromptParts("q", tool_schemas=schema, call_format=TAGGED_JSON)
+    assert '<tool_call>{"name": "<tool>"' in system_message(tags) and "- add(" in system_message(tags)
+    assert tags.template_tools is None
+
+
+def test_tagged_json_reads_calls_between_tags_for_templates_without_tools() -> None:
+    one = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    two = one + "\n" + one.replace("1", "3").replace("2", "4")
+    assert [call.arguments for call in TAGGED_JSON.parse(two) or []] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
+    assert TAGGED_JSON.parse("It is 3.") is None
+    assert TAGGED_JSON.assistant_message("<tool_call>{}</tool_call>", [])["content"] == "<tool_call>{}</tool_call>"
 
 
 def tagged(*calls: tuple[str, dict[str, Any]]) -> str:
@@ -155,25 +177,45 @@ def test_parallel_calls_run_and_come_back_as_tool_messages(hermes_tokenizer: Any
     assert second.count("<tool_response>") == 2 and second.count("<tool_call>") == 3  # 1 in the system prompt
 
 
-def test_a_repeated_call_is_not_run_again_and_the_next_step_offers_no_tools(hermes_tokenizer: Any) -> None:
+def test_a_repeated_call_is_not_run_again_nor_written_and_the_next_step_may_only_answer(
+    hermes_tokenizer: Any,
+) -> None:
     same = tagged(("add", {"a": 1, "b": 2}))
-    loop, _, grammars = hermes_loop(hermes_tokenizer, [same, same, "It is 3."])
-    result = loop.run(
-        "What is 1 + 2?",
-    )
+    loop, script, grammars = hermes_loop(hermes_tokenizer, [same, same, "It is 3."])
+    result = loop.run("What is 1 + 2?")
     calls = [step for step in result["steps"] if step["kind"] == "tool_call"]
     assert [step["repeated"] for step in calls] == [False, True]
-    assert "already made" in calls[1]["tool_result"]["content"]
+    assert [step["tool_result"]["content"] for step in calls] == ["3", "3"]  # the earlier result
     assert grammars == [(["add"], "hermes"), (["add"], "hermes"), ([], "hermes")]  # text only after the repeat
+    # asked again from where it stood (the repeat is not in the conversation), for an answer
+    second, third = (hermes_tokenizer.decode(request.prompt_tokens) for request in script.requests[1:])
+    opening = "<|im_start|>assistant"
+    assert third.startswith(second[: second.rindex(opening)]) and third.count(opening) == second.count(opening)
+    assert ANSWER_REQUEST.format(question="What is 1 + 2?") in third[second.rindex(opening) :]
     assert result["answer"] == "It is 3." and canonical_call(ToolCall("add", {"b": 2, "a": 1})) == canonical_call(
         ToolCall("add", {"a": 1, "b": 2})
     )
 
 
-def test_the_last_step_may_only_answer_in_text(hermes_tokenizer: Any) -> None:
-    loop, _, grammars = hermes_loop(hermes_tokenizer, [tagged(("add", {"a": 1, "b": 1})), "Two."])
+def test_a_turn_mixing_new_and_repeated_calls_runs_and_keeps_only_the_new_ones(hermes_tokenizer: Any) -> None:
+    first = tagged(("add", {"a": 1, "b": 2}))
+    mixed = tagged(("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4}), ("add", {"a": 3, "b": 4}))
+    loop, script, grammars = hermes_loop(hermes_tokenizer, [first, mixed, "3 and 7."])
+    result = loop.run("Add 1 and 2, then 3 and 4.")
+    calls = [step for step in result["steps"] if step["kind"] == "tool_call"]
+    assert [step["repeated"] for step in calls] == [False, True, False, True]
+    assert [step["tool_result"]["content"] for step in calls] == ["3", "3", "7", "7"]
+    third = hermes_tokenizer.decode(script.requests[2].prompt_tokens)
+    assert third.count('"a": 3') == 1 and third.count("<tool_response>") == 2
+    assert grammars[2] == (["add"], "hermes") and result["answer"] == "3 and 7."
+
+
+def test_the_last_step_may_only_answer_in_text_and_still_shows_the_tools(hermes_tokenizer: Any) -> None:
+    loop, script, grammars = hermes_loop(hermes_tokenizer, [tagged(("add", {"a": 1, "b": 1})), "Two."])
     loop.run("1 + 1?", loop_options(max_steps=2))
     assert grammars == [(["add"], "hermes"), ([], "hermes")]
+    first, last = (hermes_tokenizer.decode(request.prompt_tokens) for request in script.requests)
+    assert last.startswith(first.removesuffix("<|im_start|>assistant\n"))  # the cached prompt, extended
 
 
 def loop_options(**values: Any) -> Any:

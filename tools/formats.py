@@ -66,7 +66,12 @@ class CallFormat:
 
 HERMES = CallFormat("hermes", CallSyntax("<tool_call>\n", "\n</tool_call>", "\n", MAX_PARALLEL_CALLS), native=True)
 BARE_JSON = CallFormat("bare_json", BARE_CALLS, native=False)
-FORMATS = {fmt.name: fmt for fmt in (HERMES, BARE_JSON)}
+# Hermes' tags for a template that knows nothing of tools: the tools and the tags are
+# described in the system prompt instead. A candidate fallback beside BARE_JSON.
+TAGGED_JSON = CallFormat(
+    "tagged_json", CallSyntax("<tool_call>", "</tool_call>", "\n", MAX_PARALLEL_CALLS), native=False
+)
+FORMATS = {fmt.name: fmt for fmt in (HERMES, BARE_JSON, TAGGED_JSON)}
 
 
 def _blocks(text: str, syntax: CallSyntax) -> list[str]:
