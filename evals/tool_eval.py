@@ -102,9 +102,26 @@ def answer_matches(answer: str, expected: list[str], match: str = "all") -> bool
     return all(hits) if match == "all" else any(hits)
 
 
+# A call written as text, however its quotes and spaces came out: the arguments key in
+# quotes ('"arguments"', "'arguments'", '" arguments"' were all seen from the 0.5B) or a
+# "name" key holding a string, as a JSON call has it.
+_CALL_KEYS = re.compile(r"""["']\s*arguments\s*["']\s*:|["']\s*name\s*["']\s*:\s*["']""")
+
+
 def is_call_syntax(answer: str) -> bool:
+    """Whether an answer is (or contains) a tool call written as text instead of made."""
     stripped = answer.strip()
-    return stripped.startswith("{") or "<tool_call>" in stripped or '"arguments' in stripped or "'arguments" in stripped
+    return stripped.startswith("{") or "<tool_call>" in stripped or _CALL_KEYS.search(stripped) is not None
+
+
+def rescore(report: dict[str, Any]) -> dict[str, Any]:
+    """``report`` with the answer-only scores recomputed by this version's rules."""
+    scores = []
+    for task in report["tasks"]:
+        fields = {**task, "call_syntax_answer": is_call_syntax(task["answer"])}
+        fields.setdefault("executed_twice", 0)
+        scores.append(TaskScore(**fields))
+    return {**report, "summary": summarise(scores), "tasks": [asdict(score) for score in scores]}
 
 
 def _call_matches(call: dict[str, Any], want: dict[str, Any]) -> bool:
@@ -199,9 +216,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--index", help="index for the documents tasks (default: the bundled sample)")
     parser.add_argument("--only", help="comma-separated task ids")
     parser.add_argument("--out", type=Path, help="folder for report.json and report.md")
+    parser.add_argument("--rescore", type=Path, help="a report folder: score its answers again, rewrite it, no model")
 
 
 def run(args: argparse.Namespace, command: str) -> int:
+    if args.rescore:
+        return _rescore_folder(args.rescore)
     from agent.cli import ensure_sample_index
     from agent.runtime import Agent
     from decoding.dtype_choice import cpu_model_name
@@ -251,6 +271,14 @@ def run(args: argparse.Namespace, command: str) -> int:
         report = {"config": config, "summary": summary, "tasks": [asdict(score) for score in scores]}
         (args.out / "report.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
         (args.out / "report.md").write_text(markdown(summary, config), encoding="utf-8")
+    return 0
+
+
+def _rescore_folder(folder: Path) -> int:
+    report = rescore(json.loads((folder / "report.json").read_text(encoding="utf-8")))
+    (folder / "report.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
+    (folder / "report.md").write_text(markdown(report["summary"], report["config"]), encoding="utf-8")
+    print(json.dumps(report["summary"]["all"], indent=2))
     return 0
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from evals.tool_eval import answer_matches, is_call_syntax, load_tasks, score_task, summarise
+from evals.tool_eval import answer_matches, is_call_syntax, load_tasks, main, score_task, summarise
 from evals.tool_suite import eval_tools
 from tools import ToolRegistry
 from tools.execute import run_tool_sync
@@ -85,6 +85,8 @@ def test_a_right_run_scores_right_and_a_repeat_that_was_not_run_is_not_a_double_
         ([step("convert_temperature", {"value": 12, "unit": "celsius"})], "69.8", "arguments"),
         ([step("convert_temperature", {"value": 21, "unit": "celsius"})], "It is 70.", "answer"),
         ([], '```json\n{"name": "convert_temperature", "arguments\': {}}\n```', "call_syntax"),
+        ([], '```json\n{"name" : "convert_temperature", " arguments": {}}\n```', "call_syntax"),
+        ([], "Use <tool_call> with it.", "call_syntax"),
     ],
 )
 def test_each_planted_failure_is_counted(steps: list[dict[str, Any]], answer: str, failed: str) -> None:
@@ -122,3 +124,27 @@ def test_the_eval_runs_end_to_end_and_writes_its_report(tmp_path: Any) -> None:
     assert report["config"]["call_format"] == "bare_json"  # smollm2's template renders no tools
     markdown = (out / "report.md").read_text(encoding="utf-8")
     assert "| dev | 2 |" in markdown and "tasks with a call run twice" in markdown
+
+
+def test_rescoring_a_report_applies_the_current_rules_without_a_model(tmp_path: Any) -> None:
+    fenced = '```json\n{"name": "convert_temperature", " arguments": {"value": 21}}\n```'
+    right = score_task(TASK, {"steps": [], "answer": "69.8"}, 1.0)
+    missed = {**vars(score_task(TASK, {"steps": [], "answer": fenced}, 1.0)), "call_syntax_answer": False}
+    report = {
+        "config": {
+            "model": "m",
+            "command": "c",
+            "dtype": "d",
+            "cpu": "c",
+            "call_format": "hermes",
+            "max_tokens": 1,
+            "max_steps": 1,
+        },
+        "tasks": [vars(right), missed],
+    }
+    (tmp_path / "report.json").write_text(json.dumps(report), encoding="utf-8")
+    assert main(["--rescore", str(tmp_path)]) == 0
+    rescored = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
+    assert [task["call_syntax_answer"] for task in rescored["tasks"]] == [False, True]
+    assert rescored["summary"]["all"]["call_syntax_answers"] == 1
+    assert "| dev | 2 |" in (tmp_path / "report.md").read_text(encoding="utf-8")
