@@ -12,9 +12,12 @@ measurement on the machine at hand, whether they reach bit-exactness:
    every shape is exact unchunked with single rows padded to two; one row alone differs
    from many for K > 4096, Qwen's MLP down projections. float32 GEMMs are not
    row-invariant at any K.)
-2. where a layer is exact both with and without the padding, the faster is kept, timed on
-   one-token forwards (two rows were faster on the AMX machine: oneDNN's one-row bf16
-   kernels are slow there).
+2. where a layer is exact both with and without the padding, it pads, always: the choice
+   is a fixed rule, never a timing. Both settings are row-exact, so either keeps
+   speculation invisible, but the one-token step itself rounds differently under each, and
+   a timed choice made plain greedy output differ between two loads of the same model
+   (qwen2.5-coder-1.5b in bf16: one tool-use answer flipped between processes). Two rows
+   were also the faster on the AMX machine (oneDNN's one-row bf16 kernels are slow there).
 3. the whole model is probed: ``VERIFY_TOKENS`` one-token steps after a random context
    against one verify forward over the same tokens, every logit compared bitwise.
 
@@ -24,8 +27,6 @@ exact only up to near-ties, as float32 has always been (``decoding/numerics.py``
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,14 +41,12 @@ PROBE_ROWS = (2, 3, 17)  # a product over this many rows against its rows one by
 CHUNK_LIMITS = (4096, 2048, 1024)  # largest K per chunk tried, in order
 PROBE_CONTEXT = 40  # random context tokens before the model-level probe
 VERIFY_TOKENS = 9  # a verify of γ = 8, the policy's usual largest
-PADDING_TRIALS = 5  # one-token forwards timed each way, interleaved
-PADDING_MIN_GAIN = 0.05  # pad only when the median one-token forward is at least this much faster
 
 
 @dataclass(frozen=True)
 class LinearSetting:
     """How a layer computes to be row-exact: single rows padded to two, K-chunks, and
-    whether the padding could be dropped (both row counts are exact) if that is faster."""
+    whether the padding could be dropped (both row counts are exact; it is kept anyway)."""
 
     min_rows: int
     k_chunks: tuple[tuple[int, int], ...]
@@ -119,42 +118,6 @@ def reset_linears(model: torch.nn.Module) -> None:
             module.k_chunks, module.min_rows = (), 1
 
 
-def _optional_padding(model: torch.nn.Module) -> list[SkinnyLinear]:
-    layers = [module for module in model.modules() if isinstance(module, SkinnyLinear)]
-    return [
-        layer
-        for layer in layers
-        if (
-            _SETTING_BY_SHAPE.get((*layer.weight.shape, layer.weight.dtype)) or LinearSetting(1, (), False)
-        ).padding_optional
-    ]
-
-
-@torch.inference_mode()
-def pad_single_rows_if_faster(lm: CausalLM) -> bool:
-    """Where a layer is row-exact both ways, time one-token forwards with one-row and
-    two-row products and keep the faster; layers that need the padding keep it."""
-    optional = _optional_padding(lm.model)
-    if not optional:
-        return False
-    kv = lm.new_kv()
-    lm.prefill(kv, [token % lm.vocab_size for token in range(PROBE_CONTEXT)])
-    seconds: dict[int, list[float]] = {1: [], 2: []}
-    for _ in range(PADDING_TRIALS + 1):  # the first round warms both up
-        for min_rows, samples in seconds.items():
-            for layer in optional:
-                layer.min_rows = min_rows
-            start = time.perf_counter()
-            lm.forward(kv, [0], last_only=True)
-            samples.append(time.perf_counter() - start)
-            kv.crop(PROBE_CONTEXT)
-    one_row, two_rows = (statistics.median(seconds[rows][1:]) for rows in (1, 2))
-    padded = two_rows < (1 - PADDING_MIN_GAIN) * one_row
-    for layer in optional:
-        layer.min_rows = 2 if padded else 1
-    return padded
-
-
 @torch.inference_mode()
 def verify_matches_steps(lm: CausalLM, seed: int = 0) -> bool:
     """One verify forward against one-token steps over the same random tokens, bitwise."""
@@ -175,7 +138,6 @@ def enable_row_exact(lm: CausalLM) -> bool:
     if not make_linears_row_exact(lm.model):
         return False
     lm.row_exact = True
-    pad_single_rows_if_faster(lm)
     if verify_matches_steps(lm):
         return True
     lm.row_exact = False

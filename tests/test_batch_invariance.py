@@ -85,6 +85,20 @@ def test_the_model_probe_catches_wrong_per_row_attention(monkeypatch: pytest.Mon
     assert all(layer.k_chunks == () and layer.min_rows == 1 for layer in _linears(lm.model))
 
 
+def test_padding_where_both_ways_are_exact_is_a_fixed_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A timed choice made plain greedy output differ between two loads of the same model.
+    lm = tiny_causal_lm(vocab_size=64, seed=3, hidden_size=128, dtype=torch.float64)
+    both_exact = batch_invariance.LinearSetting(2, (), padding_optional=True)
+    monkeypatch.setattr(batch_invariance, "find_row_exact_setting", lambda layer: both_exact)
+    monkeypatch.setattr(batch_invariance, "_SETTING_BY_SHAPE", {})
+    lm.row_exact = False
+    batch_invariance.reset_linears(lm.model)
+    assert enable_row_exact(lm) == lm.row_exact
+    if lm.row_exact:
+        assert all(layer.min_rows == 2 for layer in _linears(lm.model))
+    assert not hasattr(batch_invariance, "time")  # nothing in row-exact mode is decided by a clock
+
+
 def test_native_bf16_cpus_get_a_row_exact_smollm2() -> None:
     if not dtype_choice.cpu_has_native_bf16():
         pytest.skip("this CPU has no native bf16: dtype auto is float32 here")

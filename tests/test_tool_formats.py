@@ -70,6 +70,8 @@ def test_hermes_calls_are_read_tagged_bare_or_fenced() -> None:
     fenced = '```json\n{\n  "name": "add",\n  "arguments": {"a": 1, "b": 2}\n}\n```'
     assert HERMES.parse(fenced) == [ToolCall("add", {"a": 1, "b": 2})]
     assert HERMES.parse("The sum is 3.") is None
+    schema_as_text = '```json\n{\n  "name": "function",\n  "parameters": {"type": "object"}\n}\n```'
+    assert HERMES.parse(schema_as_text) is None  # text by the grammar, so text here (seen from the 1.5B)
     for broken in ('<tool_call>\n{"name": "add", "argu', "<tool_call>\n{}\n</tool_call> trailing text"):
         with pytest.raises(ValueError):
             HERMES.parse(broken)

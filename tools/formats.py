@@ -35,6 +35,10 @@ class CallFormat:
         started a call that never finished (cut by max_tokens or a stop)."""
         stripped = text.strip()
         if self.syntax.lenient and stripped.startswith("```"):  # a fenced call (CallSyntax)
+            if '"arguments' not in stripped:
+                # The grammar's text branch admits any fence without that key (qwen2.5-coder-1.5b
+                # wrote a function's JSON schema as its answer); only its call branch has it.
+                return None
             stripped = stripped.removeprefix("```json").removeprefix("```").removesuffix("```").strip()
             if not stripped.startswith("{"):
                 raise ValueError("a fenced tool call must hold a JSON object")
