@@ -85,9 +85,11 @@ def _text_answer(syntax: CallSyntax) -> xgr.Grammar:
     blocked from the first wrote ``>{"name": ...`` instead)."""
     if not syntax.lenient:
         return xgr.Grammar.from_ebnf(_TEXT_ANSWER_EBNF)
-    # '"arguments' with either closing quote: held to text, qwen2.5-coder-0.5b wrote its call
-    # in a code fence as {"name": ..., "arguments': ...} (tool-use eval, dev half).
-    return xgr.Grammar.from_ebnf(text_without_ebnf([syntax.open.strip(), '"arguments', "'arguments"], first_not="{"))
+    # The arguments key with a quote on either side: held to text, the Qwen coder models wrote
+    # their calls as {"name": ..., "arguments': ...} and {"name": ..., " arguments": ...}
+    # (tool-use eval). A quoted "arguments" in prose is the price.
+    keys = ['"arguments', "'arguments", 'arguments"', "arguments'"]
+    return xgr.Grammar.from_ebnf(text_without_ebnf([syntax.open.strip(), *keys], first_not="{"))
 
 
 def text_without_ebnf(forbidden: Sequence[str], first_not: str = "") -> str:

@@ -123,7 +123,8 @@ def test_the_hermes_grammar_takes_every_written_form_and_text_but_no_broken_call
     text_only = compiler.text_answer(HERMES.syntax)
     matcher = xgr.GrammarMatcher(text_only.compiled)
     assert not (matcher.accept_string(f"<tool_call>\n{call}") and matcher.is_completed())
-    for evasion in ('```json\n{"name": "add", "arguments\': {"a": 1}}\n```', "Call add with 'arguments': 1"):
+    evasions = ('```json\n{"name": "add", "arguments\': {"a": 1}}\n```', "Call add with 'arguments': 1")
+    for evasion in (*evasions, '<tools>\n{"name": "add", " arguments": {"a": 1}}'):
         matcher = xgr.GrammarMatcher(text_only.compiled)
         assert not (matcher.accept_string(evasion) and matcher.is_completed())  # seen from the 0.5B
 
