@@ -28,7 +28,6 @@ whole result) and ``error``. A run leaves one trace (``agent/trace.py``).
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import time
@@ -44,6 +43,7 @@ from agent.stream import IncrementalDecoder
 from agent.trace import SpeculationCycle, Trace, Tracer
 from decoding.request import GenerationEvent, GenerationRequest
 from decoding.sampling import SamplingParams
+from decoding.schema_merge import canonical_json
 from decoding.stats import GenerationStats
 from retrieval.reflow import lookup_texts
 from tools import (
@@ -181,8 +181,7 @@ class AgentLoop:
     def _steps(self, run: _Run) -> Iterator[AgentEvent] | Any:  # a generator returning the answer
         """Generate, run the tools called, repeat, until the model answers in text."""
         options = run.options
-        offered_in_run = bool(self._allowed_tools(options)) and options.max_steps > 1
-        shown_tools = self._allowed_tools(options) if offered_in_run else []
+        shown_tools = self._allowed_tools(options) if options.max_steps > 1 else []
         for step in range(options.max_steps):
             last = step == options.max_steps - 1 or run.answer_now
             tool_names = [] if last else shown_tools
@@ -327,7 +326,6 @@ class AgentLoop:
             passages=run.prompt_passages,
             steps=run.messages,
             call_format=self.call_format,
-            tools_in_run=bool(tool_names),
         )
 
     def _record_chat(self, trace: Trace, chat: Any, cycles: list[tuple[Any, int]], stats: GenerationStats) -> None:
@@ -432,7 +430,7 @@ def first_time(calls: Sequence[ToolCall], executed: Mapping[str, ToolResult]) ->
 
 def canonical_call(call: ToolCall) -> str:
     """Two calls are the same call when name and arguments are equal as JSON."""
-    return json.dumps({"name": call.name, "arguments": call.arguments}, sort_keys=True)
+    return canonical_json({"name": call.name, "arguments": call.arguments})
 
 
 def default_tools(registered: Sequence[str]) -> list[str]:

@@ -81,14 +81,13 @@ class PromptParts:
     history: Sequence[dict[str, Any]] = field(default_factory=tuple)  # earlier turns, oldest first
     steps: Sequence[dict[str, Any]] = field(default_factory=tuple)  # this turn's tool calls and results
     call_format: CallFormat = BARE_JSON  # HERMES: the chat template renders the tools itself
-    tools_in_run: bool = False  # tools were offered at some step (the last step offers none)
     answer_request: bool = False  # end with ANSWER_REQUEST: the step may only answer
 
     @property
     def system_text(self) -> str:
         if self.system is not None:
             return self.system
-        return default_system(bool(self.passages), bool(self.tool_schemas) or self.tools_in_run)
+        return default_system(bool(self.passages), bool(self.tool_schemas))
 
     @property
     def template_tools(self) -> list[dict[str, Any]] | None:

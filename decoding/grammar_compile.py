@@ -26,7 +26,7 @@ from typing import Any
 import xgrammar as xgr
 
 from decoding.grammar import Grammar
-from decoding.schema_merge import UnsupportedSchemaError
+from decoding.schema_merge import UnsupportedSchemaError, canonical_json
 from decoding.schema_support import check_schema, enforceable_schema
 
 __all__ = [
@@ -122,10 +122,6 @@ def text_without_ebnf(forbidden: Sequence[str], first_not: str = "") -> str:
 
 def _class_char(char: str) -> str:
     return "\\" + char if char in "\\]^-[" else char
-
-
-def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def tool_call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
