@@ -114,6 +114,11 @@ def type_set(schema: dict[str, Any]) -> set[str] | None:
     values = finite_values(schema)
     if values is not None:
         return {_json_type(value) for value in values}
+    branches = schema.get("anyOf") or schema.get("oneOf")
+    if isinstance(branches, list) and branches and all(isinstance(branch, dict) for branch in branches):
+        branch_types = [type_set(branch) for branch in branches]
+        if all(types is not None for types in branch_types):
+            return set().union(*branch_types)  # type: ignore[arg-type]
     return None
 
 

@@ -25,6 +25,7 @@ caller's original schema all the same (``decoding/schema_validate.py``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 from collections.abc import Iterator
@@ -55,8 +56,9 @@ from decoding.schema_rewrites import (
     rewrite_tuple_items,
     rewrite_unique_items,
 )
+from decoding.schema_strings import rewrite_strings, string_only, strings_exclusive
 
-_NODE_REWRITES = (rewrite_tuple_items, rewrite_regex_groups, rewrite_unique_items, rewrite_not, rewrite_dependencies)
+_NODE_REWRITES = (rewrite_tuple_items, rewrite_unique_items, rewrite_not, rewrite_dependencies)
 
 __all__ = ["UnsupportedSchemaError", "normalize_schema"]
 
@@ -219,6 +221,8 @@ class _Normalizer:
             self._inlining.pop()
 
     def _normalized_definition(self, name: str, path: str) -> Any:
+        if name not in self.definitions:  # a recursive node's definition, still being built
+            raise UnsupportedSchemaError("$ref", path, "a recursive reference cannot be merged with other keywords")
         if name not in self._normalized:
             self._normalized[name] = self.normalize(self.definitions[name], f"#/{_DEFS}/{name}")
         return self._normalized[name]
@@ -246,6 +250,7 @@ class _Normalizer:
 
     def _normalize_node(self, node: dict[str, Any], path: str) -> Any:
         node = self._normalize_children(node, path)
+        node = rewrite_strings(rewrite_regex_groups(node, path), path, self.inline)
         for rewrite in _NODE_REWRITES:
             node = rewrite(node, path)
         if "allOf" in node:
@@ -262,8 +267,10 @@ class _Normalizer:
         node = dict(node)
         for key in _CHILD_MAPS:
             if isinstance(node.get(key), dict):
-                node[key] = {name: self.normalize(sub, f"{path}/{key}/{name}") for name, sub in node[key].items()}
+                node[key] = {name: self._child(sub, f"{path}/{key}/{name}") for name, sub in node[key].items()}
         for key in _CHILD_VALUES:
+            if key == "propertyNames" and isinstance(node.get(key), dict) and validation_keys(node[key]) == {"not"}:
+                continue  # "none of these names" is the parent's to rewrite (schema_strings, schema_rewrites)
             if isinstance(node.get(key), dict):
                 node[key] = self.normalize(node[key], f"{path}/{key}")
         for key in _CHILD_LISTS:
@@ -273,6 +280,14 @@ class _Normalizer:
             if isinstance(node.get(key), dict):
                 node[key] = self._normalize_entry(node[key], f"{path}/{key}")
         return node
+
+    def _child(self, sub: Any, path: str) -> Any:
+        """A property's schema; ``false`` when no value can satisfy it, which ``finalize``
+        turns into a forbidden name (or a refusal when the name is required)."""
+        try:
+            return self.normalize(sub, path)
+        except Unsatisfiable:
+            return False
 
     def _normalize_entry(self, entry: Any, path: str) -> Any:
         """A conditional entry of allOf waits for its parent: only the parent knows the
@@ -320,14 +335,37 @@ class _Normalizer:
                 branches.append((index, self.merge(siblings, branch, f"{path}/oneOf/{index}")))
             except Unsatisfiable:
                 continue
+        branches = [(index, self._inline_properties(branch, path)) for index, branch in _without_twins(branches, path)]
         if not _pairwise_exclusive(branches):
             branches = _exclusive_by_absence(branches)
+        string_branches = strings_exclusive(branches) if not _pairwise_exclusive(branches) else None
+        if string_branches is not None:  # string pairs proven disjoint; patterns now as proven
+            branches = string_branches
         for (i, left), (j, right) in itertools.combinations(branches, 2):
+            if string_branches is not None and string_only(left) and string_only(right):
+                continue
             if not (_writes_only_for(left, right) and _writes_only_for(right, left)):
                 why = f"branches {i} and {j} can match the same document, and the grammar cannot enforce 'exactly one'"
                 raise UnsupportedSchemaError("oneOf", path, why)
         annotations = {key: value for key, value in siblings.items() if key not in validation_keys(siblings)}
         return {**annotations, "anyOf": [branch for _, branch in branches]}
+
+    def _inline_properties(self, branch: dict[str, Any], path: str) -> dict[str, Any]:
+        """The branch with its properties' references to (non-recursive) definitions
+        resolved, so that the exclusivity rules can read their constants."""
+        properties = branch.get("properties")
+        if not isinstance(properties, dict):
+            return branch
+        resolved = {}
+        for name, sub in properties.items():
+            resolved[name] = sub
+            ref = sub.get("$ref") if isinstance(sub, dict) else None
+            # Only definitions already normalised: inlining one still in progress would
+            # record it as recursive. Anything unresolved is read as unknown by the rules.
+            if isinstance(ref, str) and ref.removeprefix(f"#/{_DEFS}/") in self._normalized:
+                with contextlib.suppress(UnsupportedSchemaError):
+                    resolved[name] = self.inline(sub, f"{path}/properties/{name}")
+        return {**branch, "properties": resolved}
 
     def _translate_if(self, node: dict[str, Any], path: str) -> dict[str, Any]:
         rest = {key: value for key, value in node.items() if key not in ("if", "then", "else")}
@@ -335,6 +373,23 @@ class _Normalizer:
         if validation_keys(resolved) == {"anyOf"}:  # each branch knows its own values: ask each
             conditional = {key: node[key] for key in ("if", "then", "else") if key in node}
             return {**resolved, "anyOf": [{**branch, **conditional} for branch in resolved["anyOf"]]}
+        try:
+            return self._if_as_cases(node, rest, resolved, path)
+        except UnsupportedSchemaError as exact_failed:
+            # Stricter: a document satisfying "then" and "else" both satisfies the
+            # conditional whichever way its condition goes.
+            merged = rest
+            try:
+                for key in ("then", "else"):
+                    if key in node:
+                        merged = self.merge(merged, node[key], f"{path}/{key}")
+            except UnsupportedSchemaError:
+                raise exact_failed from None
+            return merged
+
+    def _if_as_cases(
+        self, node: dict[str, Any], rest: dict[str, Any], resolved: dict[str, Any], path: str
+    ) -> dict[str, Any]:
         cases = []
         for case, holds in _constant_cases(node["if"], resolved, path):
             consequence = node.get("then" if holds else "else", {})
@@ -349,6 +404,18 @@ class _Normalizer:
 
 def _is_conditional(entry: Any) -> bool:
     return isinstance(entry, dict) and "if" in entry and validation_keys(entry) <= {"if", "then", "else"}
+
+
+def _without_twins(branches: list[tuple[int, dict[str, Any]]], path: str) -> list[tuple[int, dict[str, Any]]]:
+    """``oneOf`` branches that validate the same documents (the same keywords, annotations
+    aside) can never be the only match: any document valid for one is valid for its twin.
+    Both go; with none left the ``oneOf`` is unsatisfiable (an optional property holding
+    it is then never written)."""
+    keys = [canonical_json({k: v for k, v in branch.items() if k in validation_keys(branch)}) for _, branch in branches]
+    kept = [entry for entry, key in zip(branches, keys, strict=True) if keys.count(key) == 1]
+    if branches and not kept:
+        raise Unsatisfiable("oneOf", path, "every branch has a twin, so no document matches exactly one")
+    return kept
 
 
 def _writes_only_for(writer: dict[str, Any], other: dict[str, Any]) -> bool:

@@ -121,7 +121,12 @@ def test_the_issue_schema_no_longer_loses_the_siblings() -> None:
     [
         ({"oneOf": [{"type": "number"}, {"type": "integer"}]}, "oneOf", "#"),  # 3 matches both
         ({"properties": {"a": {"$ref": "https://x.org/a.json"}}, "required": ["a"]}, "$ref", "#/properties/a"),
-        ({"if": {"properties": {"a": {"minimum": 3}}}, "then": {"required": ["b"]}}, "if", "#"),
+        # "then" and "else" cannot both hold, so the stricter fallback has nothing to write
+        (
+            {"if": {"properties": {"a": {"minimum": 3}}}, "then": {"type": "object"}, "else": {"type": "string"}},
+            "if",
+            "#",
+        ),
         ({"allOf": [{"pattern": "^a"}, {"pattern": "b$"}]}, "allOf", "#/allOf/1"),
     ],
 )
@@ -179,6 +184,17 @@ STRICTER = {
     "uniqueItems capped at one item": {"type": "array", "uniqueItems": True},
     "not of a required name": {"type": "object", "properties": {"name": {}}, "not": {"required": ["name"]}},
     "dependencies": {"type": "object", "properties": {"radius": {}}, "dependencies": {"radius": ["width"]}},
+    "if on a non-constant condition: then and else both hold": {
+        "type": "object",
+        "properties": {"radius": {}, "width": {}, "name": {}},
+        "if": {"properties": {"radius": {"minimum": 3}}},
+        "then": {"required": ["width"]},
+        "else": {"properties": {"name": {"maxLength": 4}}},
+    },
+    "oneOf with twin branches: the property is never written": {
+        "type": "object",
+        "properties": {"name": {}, "kind": {"oneOf": [{"type": "string"}, {"type": "string", "title": "again"}]}},
+    },
     "if on an optional property": {
         "type": "object",
         "properties": {"kind": {"enum": ["circle", "square"]}, "radius": {}},
