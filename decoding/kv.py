@@ -19,6 +19,8 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
+# Capacities are multiples of this (a multiple of fast_paths.ROW_EXACT_KEY_BUCKET): row-exact
+# attention reads masked padding up to the next bucket from the buffer itself.
 _MIN_CAPACITY = 256
 
 
@@ -54,9 +56,11 @@ class GrowableLayer(DynamicLayer):
         return self._key_buffer.shape[-2] if self._key_buffer.dim() == 4 else 0
 
     def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
-        capacity = max(_MIN_CAPACITY, 2 * needed)
-        keys = key_states.new_empty((*key_states.shape[:-2], capacity, key_states.shape[-1]))
-        values = value_states.new_empty((*value_states.shape[:-2], capacity, value_states.shape[-1]))
+        capacity = -(-max(_MIN_CAPACITY, 2 * needed) // _MIN_CAPACITY) * _MIN_CAPACITY
+        # zeros, not empty: the rows past the end are read (masked) by row-exact attention,
+        # and uninitialised memory may hold NaN, which a mask does not cancel.
+        keys = key_states.new_zeros((*key_states.shape[:-2], capacity, key_states.shape[-1]))
+        values = value_states.new_zeros((*value_states.shape[:-2], capacity, value_states.shape[-1]))
         if self._length:
             keys[..., : self._length, :] = self._key_buffer[..., : self._length, :]
             values[..., : self._length, :] = self._value_buffer[..., : self._length, :]

@@ -52,19 +52,35 @@ def test_the_linear_probe_catches_a_row_dependent_product(monkeypatch: pytest.Mo
     assert find_row_exact_chunking(layer) is None and layer.k_chunks == () and layer.min_rows == 1
 
 
-def test_per_row_attention_is_the_one_row_call_on_the_visible_keys() -> None:
+@pytest.mark.parametrize("cached", [3, 30])  # all rows in one key bucket; rows across two
+def test_each_verify_row_is_the_one_token_steps_call(cached: int) -> None:
     generator = torch.Generator().manual_seed(0)
-    query = torch.randn(1, 4, 5, 8, generator=generator)
-    key, value = torch.randn(1, 2, 12, 8, generator=generator), torch.randn(1, 2, 12, 8, generator=generator)
+    appended, length = 5, cached + 5
+    buffer = 1e3 * torch.randn(2, 2, 4 * fast_paths.ROW_EXACT_KEY_BUCKET, 8, generator=generator, dtype=torch.float64)
+    key, value = buffer[:1, :, :length], buffer[1:, :, :length]  # views of a cache buffer, stale rows past the end
+    query = torch.randn(1, 4, appended, 8, generator=generator, dtype=torch.float64)
     module = torch.nn.Module()
     module.num_key_value_groups = 2
-    rows, _ = fast_paths._sdpa_shared_kv_heads(module, query, key, value, None, **{fast_paths.ROW_EXACT_KWARG: True})
-    for row in range(5):
-        visible = 12 - 5 + row + 1  # the cache before the append, then the new rows up to this one
-        alone, _ = fast_paths._sdpa_shared_kv_heads(
-            module, query[:, :, row : row + 1], key[:, :, :visible], value[:, :, :visible], None
+    exact = {fast_paths.ROW_EXACT_KWARG: True}
+    rows, _ = fast_paths._sdpa_shared_kv_heads(module, query, key, value, None, **exact)
+    for row in range(appended):
+        visible = cached + row + 1  # the cache before the append, then the new rows up to this one
+        step, _ = fast_paths._sdpa_shared_kv_heads(
+            module, query[:, :, row : row + 1], key[:, :, :visible], value[:, :, :visible], None, **exact
         )
-        assert torch.equal(rows[:, row], alone[:, 0])
+        assert torch.equal(rows[:, row], step[:, 0])
+        # and it is attention over exactly the visible keys: the padding is hidden
+        reference = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, row : row + 1], key[:, :, :visible], value[:, :, :visible], enable_gqa=True
+        )
+        assert torch.allclose(step[:, 0], reference.transpose(1, 2)[:, 0], atol=1e-9)
+
+
+def test_padding_past_the_cache_is_copied_where_the_buffer_has_no_room() -> None:
+    tensor = torch.randn(1, 2, 5, 4)
+    padded = fast_paths._keys_up_to(tensor, 32)
+    assert padded.shape == (1, 2, 32, 4) and torch.equal(padded[:, :, :5], tensor) and not padded[:, :, 5:].any()
+    assert fast_paths._keys_up_to(tensor, 3).shape[2] == 3
 
 
 def test_the_model_probe_catches_wrong_per_row_attention(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,10 +91,12 @@ def test_the_model_probe_catches_wrong_per_row_attention(monkeypatch: pytest.Mon
     assert verify_matches_steps(lm)
 
     def sees_one_key_too_few(module, query, key, value, scaling):  # type: ignore[no-untyped-def]
+        if query.shape[2] == 1:  # one-token steps share this path: break only the verify
+            return original(module, query, key, value, scaling)
         return original(module, query, key[:, :, :-1], value[:, :, :-1], scaling)
 
-    original = fast_paths._attend_rows_one_by_one
-    monkeypatch.setattr(fast_paths, "_attend_rows_one_by_one", sees_one_key_too_few)
+    original = fast_paths._attend_rows_canonically
+    monkeypatch.setattr(fast_paths, "_attend_rows_canonically", sees_one_key_too_few)
     assert not verify_matches_steps(lm)
     lm.row_exact = False
     assert not enable_row_exact(lm) and not lm.row_exact  # a failed probe leaves the model as it was
@@ -189,3 +207,16 @@ def _tiny_config() -> object:
 
 def _linears(model: torch.nn.Module) -> list[SkinnyLinear]:
     return [module for module in model.modules() if isinstance(module, SkinnyLinear)]
+
+
+def test_cache_buffers_are_zeroed_and_bucket_aligned_so_padding_is_read_in_place() -> None:
+    from decoding.kv import GrowableLayer
+
+    layer = GrowableLayer()
+    states = torch.randn(1, 2, 5, 4)
+    layer.update(states, states)
+    buffer = layer._key_buffer
+    assert buffer.shape[2] % fast_paths.ROW_EXACT_KEY_BUCKET == 0
+    assert not buffer[:, :, 5:].any()  # uninitialised memory could hold NaN, which no mask cancels
+    padded = fast_paths._keys_up_to(layer.keys, fast_paths.ROW_EXACT_KEY_BUCKET)
+    assert padded.data_ptr() == buffer.data_ptr() and torch.equal(padded[:, :, :5], states)
