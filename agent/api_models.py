@@ -7,7 +7,7 @@ the field named before a handler runs. Limits that depend on the server's config
 
 ``AgentRunRequest`` refuses unknown fields (a typo should not be silently ignored);
 ``ChatCompletionRequest`` accepts and ignores fields it does not implement
-(``frequency_penalty``, ``user``, ``logprobs``...), as OpenAI clients send them freely.
+(``user``, ``logprobs``...), as OpenAI clients send them freely.
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ MaxTokens = Annotated[int, msgspec.Meta(ge=1, description="tokens to generate at
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]  # OpenAI's range
+RepetitionPenalty = Annotated[
+    float, msgspec.Meta(gt=0.0, le=2.0, description="vLLM's: seen tokens' logits divided (>0) or multiplied (<0)")
+]
 ShortText = Annotated[str, msgspec.Meta(min_length=1)]
 
 
@@ -132,6 +136,9 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     max_completion_tokens: MaxTokens | None = None
     seed: Seed | None = None
     stop: str | list[str] | None = None
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0  # a vLLM extension of the OpenAI request
     n: int = 1
     speculation: Speculation = "auto"
 

@@ -40,6 +40,7 @@ from agent.results import speculation_summary
 from agent.stream import IncrementalDecoder
 from decoding.grammar import Grammar
 from decoding.grammar_compile import UnsupportedSchemaError, enforceable_schema
+from decoding.penalties import Penalties, PenaltyProcessor
 from decoding.request import GenerationRequest
 from decoding.sampling import SamplingParams
 from decoding.stats import GenerationStats
@@ -105,11 +106,17 @@ def plan_chat(agent: Any, body: ChatCompletionRequest, limits: ServerLimits) -> 
         sampling=SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed),
         speculation=body.speculation,
         stop_sequences=_stop_token_sequences(tokenizer, stops),
+        logits_processors=_penalty_processors(body, len(prompt)),
         grammar=grammar,
     )
     parameters = {tool.function.name: tool.function.parameters or EMPTY_PARAMETERS for tool in tools}
     response_schema = _response_schema(body, tools)
     return ChatPlan(body, prompt, request, tool_names, stops, response_schema, parameters, call_format)
+
+
+def _penalty_processors(body: ChatCompletionRequest, prompt_length: int) -> list[PenaltyProcessor]:
+    penalties = Penalties(body.frequency_penalty, body.presence_penalty, body.repetition_penalty)
+    return [PenaltyProcessor(penalties, prompt_length)] if penalties.active else []
 
 
 def _response_schema(body: ChatCompletionRequest, tools: list[ToolDefinition]) -> dict[str, Any] | None:

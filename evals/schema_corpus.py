@@ -51,7 +51,13 @@ def load_corpus(limit: int | None = None) -> list[tuple[dict[str, Any], dict[str
     return [(entry, json.loads((CORPUS / entry["file"]).read_text(encoding="utf-8"))) for entry in manifest]
 
 
-def run_one(agent: Any, entry: dict[str, Any], schema: dict[str, Any], max_tokens: int) -> Outcome:
+def run_one(
+    agent: Any,
+    entry: dict[str, Any],
+    schema: dict[str, Any],
+    max_tokens: int,
+    penalties: dict[str, float] | None = None,
+) -> Outcome:
     from agent.api_models import ChatCompletionRequest, ServerLimits
     from agent.errors import ApiError
     from agent.openai_compat import ChatRun, plan_chat
@@ -65,6 +71,7 @@ def run_one(agent: Any, entry: dict[str, Any], schema: dict[str, Any], max_token
             "max_tokens": max_tokens,
             "temperature": 0,
             "response_format": {"type": "json_schema", "json_schema": {"name": "document", "schema": schema}},
+            **(penalties or {}),
         },
         ChatCompletionRequest,
     )
@@ -136,6 +143,8 @@ def markdown(summary: dict[str, Any], config: dict[str, Any]) -> str:
             f"# Structured output on {summary['schemas']} SchemaStore schemas",
             "",
             f"Model `{config['model']}` ({config['dtype']}), greedy, max_tokens {config['max_tokens']}, "
+            f"repetition_penalty {config.get('repetition_penalty', 1.0)}, "
+            f"frequency_penalty {config.get('frequency_penalty', 0.0)}, "
             f"{config['cpu']}; `{config['command']}`",
             "",
             "| schemas | compiled | refused | valid | invalid | truncated | errors |",
@@ -156,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--limit", type=int, help="run N schemas spread over the corpus")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's rule, as the request field")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's rule, as the request field")
     parser.add_argument("--out", type=Path, help="folder for report.json and report.md")
     args = parser.parse_args(argv)
 
@@ -163,11 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     from decoding.dtype_choice import cpu_model_name
 
     agent = Agent(model=args.model, dtype=args.dtype)
+    penalties = {"repetition_penalty": args.repetition_penalty, "frequency_penalty": args.frequency_penalty}
     outcomes = []
     try:
         for entry, schema in load_corpus(args.limit):
             try:
-                outcome = run_one(agent, entry, schema, args.max_tokens)
+                outcome = run_one(agent, entry, schema, args.max_tokens, penalties)
             except Exception as error:  # counted and reported, never hidden; the run goes on
                 outcome = Outcome(entry["file"], "error", f"{type(error).__name__}: {error}"[:500])
             outcomes.append(outcome)
@@ -180,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": str(agent.model.dtype).removeprefix("torch."),
         "max_tokens": args.max_tokens,
         "limit": args.limit,
+        **penalties,
         "cpu": cpu_model_name(),
         "command": "python -m evals.schema_corpus " + " ".join(argv if argv is not None else sys.argv[1:]),
     }

@@ -147,6 +147,9 @@ def test_the_openai_client_sees_auth_and_validation_errors(server: str, client: 
     with pytest.raises(openai.BadRequestError) as caught:
         ask(client, "Hi", n=2)
     assert caught.value.body["field"] == "n"
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(client, "Hi", frequency_penalty=2.5)
+    assert caught.value.body["field"] == "frequency_penalty"
     assert httpx.get(f"{server}/healthz").status_code == 200
 
 
@@ -237,3 +240,11 @@ def test_bounded_load_completes_without_server_errors_or_leaks(server: str, agen
     print(f"load: {len(responses)} requests, {clients} clients, {elapsed:.1f} s; RSS {grown_mb:+.0f} MB "
           f"of which prefix cache {cache_mb:+.0f} MB")  # fmt: skip
     assert grown_mb - cache_mb < 300
+
+
+def test_penalties_reach_the_decoder(client: openai.OpenAI) -> None:
+    question = "Write a short poem about the sea."
+    plain = ask(client, question, max_tokens=32).choices[0].message.content
+    for options in ({"frequency_penalty": 2.0}, {"extra_body": {"repetition_penalty": 2.0}}):
+        penalised = ask(client, question, max_tokens=32, **options).choices[0].message.content
+        assert penalised != plain, options
