@@ -220,3 +220,21 @@ def test_cache_buffers_are_zeroed_and_bucket_aligned_so_padding_is_read_in_place
     assert not buffer[:, :, 5:].any()  # uninitialised memory could hold NaN, which no mask cancels
     padded = fast_paths._keys_up_to(layer.keys, fast_paths.ROW_EXACT_KEY_BUCKET)
     assert padded.data_ptr() == buffer.data_ptr() and torch.equal(padded[:, :, :5], states)
+
+
+@pytest.mark.parametrize("setting", [{}, {"min_rows": 2}, {"k_chunks": ((0, 1), (1, 2))}])
+def test_the_bias_is_rounded_once_with_the_product_as_f_linear_does(setting: dict) -> None:
+    # 2^-8 + 2^-16 rounds to 2^-8 in bf16; 1 + 2^-8 is then a tie that rounds to 1.0, while
+    # the sum rounded once is 1 + 2^-7. Qwen's large q/k biases made the second rounding
+    # change a 1.5B bf16 answer.
+    layer = torch.nn.Linear(2, 1).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[2.0**-8, 2.0**-16]]))
+        layer.bias.fill_(1.0)
+    x = torch.ones(3, 2, dtype=torch.bfloat16)
+    assert torch.nn.functional.linear(x, layer.weight, layer.bias).float().flatten().tolist() == [1.0078125] * 3
+    layer.__class__ = SkinnyLinear
+    for name, value in setting.items():
+        setattr(layer, name, value)
+    assert layer(x).float().flatten().tolist() == [1.0078125] * 3
+    assert layer(x[:1]).float().flatten().tolist() == [1.0078125]
