@@ -20,7 +20,12 @@ are already normalised) and returns the rewritten node, or raises UnsupportedSch
   allows it: a forbidden property is dropped and its object closed (stricter when the
   object allowed other names), an ``anyOf`` branch is dropped, array items become none;
   anywhere else the schema is refused. xgrammar has no ``false`` schema, and a reference
-  it cannot resolve must never mean "anything".
+  it cannot resolve must never mean "anything". A required name that ``properties`` does
+  not list is listed, with the schema its name gets (a matching ``patternProperties``
+  entry, else ``additionalProperties``, else any value): the strict grammar writes only
+  listed names and dropped such a requirement (a SchemaStore schema requiring ``variable``
+  without listing it got an answer without it). Where ``additionalProperties: false``
+  forbids the name, no object satisfies the node: refused, naming ``required``.
 """
 
 from __future__ import annotations
@@ -146,7 +151,7 @@ def finalize(node: Any, path: str = "#", names: bool = False) -> Any:
     if never_written(node):
         reason = node.get(EXTERNAL) if isinstance(node, dict) else None
         raise UnsupportedSchemaError("$ref" if reason else "false", path, _never_why(reason))
-    node = _drop_never_written(dict(node), path)
+    node = _list_required_names(_drop_never_written(dict(node), path), path)
     return {
         key: value if key in LITERALS else finalize(value, f"{path}/{key}", key in NAME_MAPS)
         for key, value in node.items()
@@ -182,6 +187,35 @@ def _drop_never_written(node: dict[str, Any], path: str) -> dict[str, Any]:
         del node["items"]
         node["maxItems"] = min(node.get("maxItems", len(node.get("prefixItems", []))), len(node.get("prefixItems", [])))
     return node
+
+
+def _list_required_names(node: dict[str, Any], path: str) -> dict[str, Any]:
+    """``properties`` gains every required name it does not list (see the module doc)."""
+    required = node.get("required")
+    properties = node.get("properties", {})
+    if not isinstance(required, list) or not isinstance(properties, dict):
+        return node
+    missing = [name for name in required if isinstance(name, str) and name not in properties]
+    if not missing:
+        return node
+    listed = dict(properties)
+    for name in missing:
+        schema = _schema_for_unlisted_name(node, name)
+        if schema is False or never_written(schema):
+            raise UnsupportedSchemaError(
+                "required", f"{path}/required", f"{name!r} is required but its object allows no such property"
+            )
+        listed[name] = {} if schema is True else schema
+    return {**node, "properties": listed}
+
+
+def _schema_for_unlisted_name(node: dict[str, Any], name: str) -> Any:
+    patterns = node.get("patternProperties")
+    if isinstance(patterns, dict):
+        for pattern, schema in patterns.items():
+            if re.search(pattern, name):
+                return schema
+    return node.get("additionalProperties", True)
 
 
 def _never_why(value: Any) -> str:

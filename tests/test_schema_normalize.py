@@ -215,3 +215,26 @@ def test_the_subset_check_catches_a_looser_rewrite() -> None:
     looser = {"type": "object", "properties": {"length": {}, "width": {}}}  # oneOf dropped: both allowed
     original = accepted(STRICTER["oneOf told apart by forbidding the other's required name"])
     assert [i for i, ok in enumerate(accepted(looser)) if ok and not original[i]]
+
+
+def test_a_required_name_that_properties_does_not_list_is_still_required() -> None:
+    # SchemaStore's solidarity schema requires "variable" without listing it; the strict
+    # grammar writes only listed names, so the requirement was dropped and an answer
+    # without it came out (caught by the validation of finished answers, as a 500).
+    import json
+
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]}
+    normalized = normalize_schema(schema)
+    assert normalized["properties"]["b"] == {}
+    grammar = xgr.Grammar.from_json_schema(json.dumps(normalized), any_whitespace=False, strict_mode=True)
+    assert not _is_grammar_accept_string(grammar, '{"a": "x"}')
+    assert _is_grammar_accept_string(grammar, '{"a": "x", "b": [1, null]}')
+    patterned = {"type": "object", "patternProperties": {"^x-": {"type": "integer"}}, "required": ["x-y"]}
+    assert normalize_schema(patterned)["properties"]["x-y"] == {"type": "integer"}
+    closed = {"type": "object", "properties": {"a": {}}, "required": ["b"], "additionalProperties": False}
+    with pytest.raises(UnsupportedSchemaError) as refused:
+        normalize_schema(closed)
+    assert refused.value.feature == "required" and refused.value.path == "#/required"
