@@ -165,7 +165,9 @@ def _drop_never_written(node: dict[str, Any], path: str) -> dict[str, Any]:
             raise UnsupportedSchemaError("patternProperties", path, "a forbidden name could still match a pattern")
         for name in node.get("required", []):
             if never_written(properties.get(name)):
-                raise UnsupportedSchemaError("$ref", f"{path}/properties/{name}", _never_why(properties[name]))
+                external = isinstance(properties[name], dict) and EXTERNAL in properties[name]
+                feature = "$ref" if external else "required"  # e.g. a required string no pattern admits
+                raise UnsupportedSchemaError(feature, f"{path}/properties/{name}", _never_why(properties[name]))
         node["properties"] = {name: value for name, value in properties.items() if not never_written(value)}
         node["additionalProperties"] = False
     if never_written(node.get("additionalProperties")):

@@ -31,7 +31,7 @@ from typing import Any
 from decoding import regex_dfa
 from decoding.regex_dfa import DFA, RegexUnsupported
 from decoding.regex_write import to_regex
-from decoding.schema_merge import UnsupportedSchemaError, validation_keys
+from decoding.schema_merge import Unsatisfiable, UnsupportedSchemaError, validation_keys
 
 Inline = Callable[[dict[str, Any], str], dict[str, Any]]
 
@@ -47,20 +47,55 @@ def rewrite_strings(node: dict[str, Any], path: str, inline: Inline) -> dict[str
     pattern = node.get("pattern") if isinstance(node.get("pattern"), str) else None
     lengths = pattern is not None and any(key in node for key in _LENGTHS)
     negated = _negated_strings(node, path, inline)
-    if not (lengths or negated is not None or (pattern and UNREADABLE_REGEX.search(pattern))):
+    unreadable = pattern is not None and (UNREADABLE_REGEX.search(pattern) or _names_json_specials(pattern))
+    if not (lengths or negated is not None or unreadable):
         return node
     rest = {key: value for key, value in node.items() if key not in (*_LENGTHS, "not", "pattern")}
-    if negated is None and pattern is not None and _lengths_implied(pattern, node):
+    if (
+        negated is None
+        and pattern is not None
+        and not _names_json_specials(pattern)
+        and _lengths_implied(pattern, node)
+    ):
         return {**rest, "pattern": pattern}  # every match already has an allowed length
     keyword = "not" if negated is not None else "pattern"
     try:
         language = regex_dfa.whole_match(pattern) if pattern is not None else regex_dfa.length_between(0, None)
         bounded = regex_dfa.intersect(language, _length_language(node))
         constrained = bounded if negated is None else regex_dfa.intersect(bounded, regex_dfa.complement(negated))
+        if regex_dfa.is_empty(constrained):  # e.g. a pattern that needs a backslash: never written
+            raise Unsatisfiable(keyword, path, "no string the grammar can write satisfies it")
         rewritten_pattern = to_regex(constrained)
     except RegexUnsupported as why:
         raise UnsupportedSchemaError(keyword, path, f"cannot be enforced: {why}") from None
     return {**rest, "pattern": rewritten_pattern}
+
+
+def _names_json_specials(pattern: str) -> bool:
+    """Whether ``pattern`` names a backslash or a double quote as a literal character.
+    xgrammar 0.2.9 matches such a literal against the JSON text, not the string it
+    encodes: for ``\\w+[\\\\]\\w+`` it wrote ``"a\\bc"`` (a backspace: the answer failed
+    validation) and for ``a"b`` the broken JSON ``"a"b"``. Ranges, negated classes and
+    ``.`` leave both characters out there, which is stricter and safe."""
+    try:
+        parsed = sre_parse.parse(pattern)
+    except (re.error, RecursionError, OverflowError):
+        return False
+    return _has_special_literal(parsed)
+
+
+def _has_special_literal(items: Any) -> bool:
+    for op, value in items:
+        if op is sre_parse.LITERAL and value in (ord('"'), ord("\\")):
+            return True
+        if op is sre_parse.IN and any(kind is sre_parse.LITERAL and v in (ord('"'), ord("\\")) for kind, v in value):
+            return True
+        children = value if isinstance(value, (list, tuple)) else ()
+        for child in children:  # groups, repeats and the alternatives of a branch
+            nested = child if isinstance(child, list) else [child]
+            if any(isinstance(sub, sre_parse.SubPattern) and _has_special_literal(sub) for sub in nested):
+                return True
+    return False
 
 
 def _lengths_implied(pattern: str, node: dict[str, Any]) -> bool:

@@ -238,3 +238,25 @@ def test_a_required_name_that_properties_does_not_list_is_still_required() -> No
     with pytest.raises(UnsupportedSchemaError) as refused:
         normalize_schema(closed)
     assert refused.value.feature == "required" and refused.value.path == "#/required"
+
+
+def test_a_pattern_naming_a_backslash_or_quote_is_never_handed_to_xgrammar() -> None:
+    # xgrammar 0.2.9 matches such literals against the JSON text: for this SchemaStore
+    # pattern it wrote "CSharpProject2\binaries.dll" (a backspace), which fails validation.
+    import json
+
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    needs_backslash = {"type": "string", "pattern": r"\w+[\\](\w+\.)*\w+\.dll"}
+    optional = {"type": "object", "properties": {"path": needs_backslash, "n": {"type": "integer"}}}
+    assert normalize_schema(optional)["properties"] == {"n": {"type": "integer"}}  # never written, so forbidden
+    with pytest.raises(UnsupportedSchemaError) as refused:
+        normalize_schema({**optional, "required": ["path"]})
+    assert refused.value.feature == "required" and refused.value.path == "#/properties/path"
+    with pytest.raises(UnsupportedSchemaError):
+        normalize_schema({"type": "string", "pattern": 'a"b'})  # xgrammar wrote the broken JSON "a"b"
+    rewritten = normalize_schema({"type": "string", "pattern": r"^[\w\\/]+$"})
+    grammar = xgr.Grammar.from_json_schema(json.dumps(rewritten), any_whitespace=False, strict_mode=True)
+    assert _is_grammar_accept_string(grammar, '"a/b_1"')
+    assert not _is_grammar_accept_string(grammar, r'"a\b"')
