@@ -29,6 +29,26 @@ def repetitive_prompt(seed: int, length: int) -> list[int]:
     return [token for index in order for token in segments[index]][:length]
 
 
+def speculative_runs(
+    prompt: list[int], max_tokens: int, processors: list, lookup_sources: list[list[int]]
+) -> list[tuple[list[int], object]]:
+    """Greedy speculation under ``processors`` with each drafter: lookup alone, the target
+    drafting for itself, a poor draft model."""
+    runs = []
+    for draft_model in (None, TARGET, POOR_DRAFT):
+        engine = Engine(TARGET, draft_model, debug=True, min_ngram=1)
+        request = GenerationRequest(
+            prompt,
+            max_tokens=max_tokens,
+            speculation="on",
+            stop_token_ids=[],
+            logits_processors=processors,
+            lookup_sources=lookup_sources,
+        )
+        runs.append(run(engine, request))
+    return runs
+
+
 def plain_reference(prompt: list[int], max_tokens: int, **kwargs: object) -> list[int]:
     request = GenerationRequest(prompt, max_tokens=max_tokens, speculation="off", stop_token_ids=[], **kwargs)
     return run(Engine(TARGET, debug=True), request)[0]

@@ -10,7 +10,7 @@ import torch
 from decoding import Engine, GenerationRequest
 from decoding.policy import CostModel, PolicyConfig
 from tests.conftest import tiny_causal_lm
-from tests.test_engine import POOR_DRAFT, TARGET, VOCAB, plain_reference, repetitive_prompt, run
+from tests.test_engine import POOR_DRAFT, TARGET, VOCAB, plain_reference, repetitive_prompt, run, speculative_runs
 
 # A frozen cost model (decay 0): decisions then depend on acceptance alone, not on timing.
 FROZEN_COSTS = CostModel({1: 1.0, 2: 1.1, 4: 1.25, 8: 1.6, 16: 2.5}, 0.05, 0.02, decay=0.0)
@@ -88,17 +88,7 @@ def test_speculative_safe_processors_keep_greedy_parity() -> None:
     )[0]
     assert plain_output[3] not in reference
     assert all(left != right for left, right in itertools.pairwise(reference))
-    for draft_model in (None, TARGET, POOR_DRAFT):
-        engine = Engine(TARGET, draft_model, debug=True, min_ngram=1)
-        request = GenerationRequest(
-            prompt,
-            max_tokens=40,
-            speculation="on",
-            stop_token_ids=[],
-            logits_processors=processors,
-            lookup_sources=[prompt[::-1]],
-        )
-        output, final = run(engine, request)
+    for output, final in speculative_runs(prompt, 40, processors, [prompt[::-1]]):
         assert output == reference
         assert final.stats.drafted_tokens > 0
 

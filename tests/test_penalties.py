@@ -8,7 +8,7 @@ import torch
 
 from decoding import Engine, GenerationRequest
 from decoding.penalties import Penalties, PenaltyProcessor, penalize
-from tests.test_engine import POOR_DRAFT, TARGET, plain_reference, repetitive_prompt, run
+from tests.test_engine import TARGET, plain_reference, repetitive_prompt, run, speculative_runs
 
 
 def test_the_rules_on_hand_computed_logits() -> None:
@@ -41,16 +41,6 @@ def test_speculative_greedy_equals_plain_greedy_under_penalties(penalties: Penal
         GenerationRequest(prompt, max_tokens=40, speculation="off", stop_token_ids=[], logits_processors=processors),
     )[0]
     assert reference != plain_reference(prompt, 40)  # the penalty changed the text: the test has power
-    for draft_model in (None, TARGET, POOR_DRAFT):
-        engine = Engine(TARGET, draft_model, debug=True, min_ngram=1)
-        request = GenerationRequest(
-            prompt,
-            max_tokens=40,
-            speculation="on",
-            stop_token_ids=[],
-            logits_processors=processors,
-            lookup_sources=[prompt, reference[5:]],
-        )
-        output, final = run(engine, request)
+    for output, final in speculative_runs(prompt, 40, processors, [prompt, reference[5:]]):
         assert output == reference
         assert final.stats.drafted_tokens > 0 and final.stats.accepted_tokens > 0
