@@ -52,6 +52,8 @@ class AgentRunRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         ]
         | None
     ) = None
+    # false: the irrelevance gate (agent/tool_gate.py) never holds the first step to text
+    tool_gate: bool = True
     # "attribute": each answer sentence re-cites the shown passage closest in meaning (agent/attribution.py)
     citations: Literal["model", "attribute"] = "model"
     citation_min_similarity: (

@@ -10,10 +10,17 @@ text is the final answer. A call identical to an earlier one of the run is not e
 again, nor written into the conversation: the model is asked again from where it stood,
 with the earlier result above it, and may then only answer (small models given a result
 tend to make the same call once more). The last allowed step, and a step after a repeat,
-still show the tools (the prompt stays a prefix of the cached one) but their grammar admits
-only text, and once tools have run they end with a user turn asking for the answer
-(``agent/prompt.py``: ``ANSWER_REQUEST``), so a run always ends with an answer and never
-with call syntax.
+show no tools and admit only text (the text branch of the tool grammar): with the tools in
+view, held-to-text steps wrote calls as text. Once tools have run they end with a user turn
+asking for the answer (``agent/prompt.py``: ``ANSWER_REQUEST``), so a run always ends with
+an answer and never with call syntax. Such a step re-prefills from the system prompt (the
+tools block is gone), a few hundred tokens.
+
+Before the first step the irrelevance gate (``agent/tool_gate.py``) may hold the run to a
+text answer with no tools in view, when no offered tool is close to the question or the
+model would hardly open a call. After tool results, a text answer that uses none of them
+(``agent/call_rules.py``: ``uses_results``) is set aside, unstreamed, and asked for again,
+text only.
 
 With ``abstain_threshold`` set, an answerability probe runs first (``agent/answerability.py``)
 and a run it judges unanswerable replies ``ABSTENTION`` without generating. With
@@ -31,19 +38,27 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from agent.answerability import ABSTENTION, AnswerTokens, NextTokenLogits, p_unanswerable, probe_messages
 from agent.attribution import DEFAULT_MIN_SIMILARITY, Attributor, attribution_record
+from agent.call_rules import SEARCH_TOOL, canonical_call, default_tools, first_time, uses_results
 from agent.prompt import PromptParts, encode_messages, format_passage, passage_label, prompt_ids
 from agent.results import ShownPassage, resolve_citations, speculation_summary, step_record, tool_result_dict
 from agent.stream import IncrementalDecoder
+from agent.tool_gate import (
+    DEFAULT_MIN_CALL_PROBABILITY,
+    DEFAULT_MIN_TOOL_SIMILARITY,
+    GateVerdict,
+    ToolRelevance,
+    call_opening_ids,
+    call_probability,
+)
 from agent.trace import SpeculationCycle, Trace, Tracer
 from decoding.request import GenerationEvent, GenerationRequest
 from decoding.sampling import SamplingParams
-from decoding.schema_merge import canonical_json
 from decoding.stats import GenerationStats
 from retrieval.reflow import lookup_texts
 from tools import (
@@ -60,7 +75,6 @@ from tools.formats import CallFormat, format_for
 logger = logging.getLogger(__name__)
 Generate = Callable[[GenerationRequest], Iterator[GenerationEvent]]
 AgentEvent = dict[str, Any]  # {"event": name, "data": {...}}
-SEARCH_TOOL = "search_documents"
 CITATION_MODES = ("model", "attribute")
 
 
@@ -84,6 +98,11 @@ class RunOptions:
     # (agent/attribution.py); "model": the markers the model wrote.
     citations: str = "model"
     citation_min_similarity: float = DEFAULT_MIN_SIMILARITY
+    # The irrelevance gate (agent/tool_gate.py): the first step may only answer in text when
+    # no offered tool is this close to the question, or when the model's P(opening a call)
+    # is below this. None: that signal is off. Applies where the loop has the gate's parts.
+    min_tool_similarity: float | None = DEFAULT_MIN_TOOL_SIMILARITY
+    min_call_probability: float | None = DEFAULT_MIN_CALL_PROBABILITY
 
     def __post_init__(self) -> None:
         if self.abstain_threshold is not None and not 0.0 <= self.abstain_threshold <= 1.0:
@@ -107,6 +126,8 @@ class _Run:
     messages: list[dict[str, Any]] = field(default_factory=list)  # this turn's tool calls and results
     executed: dict[str, ToolResult] = field(default_factory=dict)  # canonical call -> its result
     answer_now: bool = False  # every call of a turn was a repeat: the next step may only answer
+    tools_offered: bool = False
+    gate: GateVerdict | None = None
     stats: list[GenerationStats] = field(default_factory=list)
     answerability: dict[str, Any] | None = None
     attribution: dict[str, Any] | None = None
@@ -127,6 +148,8 @@ class AgentLoop:
         system: str | None = None,
         tracer: Tracer | None = None,
         call_format: CallFormat | None = None,
+        relevance: ToolRelevance | None = None,
+        intent_gate: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.generate = generate
@@ -137,6 +160,8 @@ class AgentLoop:
         self.system = system  # None: chosen by what a step offers (agent/prompt.py)
         self.call_format = call_format or format_for(tokenizer)
         self.tracer = tracer or Tracer()
+        self.relevance = relevance  # the gate's relevance signal (None: off)
+        self.intent_gate = intent_gate  # the gate's P(call) probe, through ``generate``
         self._answer_tokens: AnswerTokens | None = None
         self._attributor: Attributor | None = None
 
@@ -181,14 +206,26 @@ class AgentLoop:
     def _steps(self, run: _Run) -> Iterator[AgentEvent] | Any:  # a generator returning the answer
         """Generate, run the tools called, repeat, until the model answers in text."""
         options = run.options
-        shown_tools = self._allowed_tools(options) if options.max_steps > 1 else []
+        offered = self._allowed_tools(options) if options.max_steps > 1 else []
+        run.tools_offered = bool(offered)
+        if offered:
+            run.gate = self._gate(run, offered)
         for step in range(options.max_steps):
-            last = step == options.max_steps - 1 or run.answer_now
-            tool_names = [] if last else shown_tools
-            text, stats = yield from self._generate_step(run, step, tool_names, shown_tools)
+            last = step == options.max_steps - 1 or run.answer_now or (run.gate is not None and run.gate.held)
+            # A step that may only answer shows no tools: held to text with the tools in view,
+            # both Qwen models wrote calls as text in ever new shapes ({name: "add", ...}).
+            tool_names = [] if last else offered
+            text, stats = yield from self._generate_step(run, step, tool_names)
             calls = self._parse_calls(text) if tool_names else None
+            if not calls and tool_names and run.executed and not uses_results(text, run.executed.values()):
+                # An answer that ignores every tool result is asked for again, text only.
+                run.steps.append({**step_record(step, "answer", stats), "ignored_results": True})
+                run.answer_now = True
+                continue
             if not calls:
                 run.steps.append(step_record(step, "answer", stats))
+                if tool_names and run.executed:  # held back until it was known to use the results
+                    yield {"event": "token", "data": {"step": step, "text": text}}
                 return text.strip()
             fresh = first_time(calls, run.executed)
             new_calls = [call for call, new in zip(calls, fresh, strict=True) if new]
@@ -237,16 +274,17 @@ class AgentLoop:
         return shown
 
     def _generate_step(
-        self, run: _Run, step: int, tool_names: list[str], shown_tools: list[str]
+        self, run: _Run, step: int, tool_names: list[str]
     ) -> Iterator[AgentEvent] | Any:  # a generator returning (text, stats)
-        """One generation: ``tool_names`` may be called, ``shown_tools`` are in the prompt."""
+        """One generation: ``tool_names`` may be called and are shown; none: a text answer."""
         with run.trace.span("prompt_build") as span:
-            parts = replace(self._parts(run, shown_tools), answer_request=bool(run.executed) and not tool_names)
+            parts = replace(self._parts(run, tool_names), answer_request=bool(run.executed) and not tool_names)
             prompt = prompt_ids(self.tokenizer, parts)
             span.set_attribute("prompt_tokens", len(prompt))
-            # Compiled here (cached after the first time): part of building the request. A step
-            # that shows tools it may not call may only answer in text.
-            grammar = self.grammar_for(self.registry, tool_names, self.call_format) if shown_tools else None
+            # Compiled here (cached after the first time): part of building the request. A run
+            # that offers tools answers under the text branch of the tool grammar.
+            offered = run.tools_offered
+            grammar = self.grammar_for(self.registry, tool_names, self.call_format) if offered else None
         options = run.options
         request = GenerationRequest(
             prompt,
@@ -258,7 +296,10 @@ class AgentLoop:
             grammar=grammar,
         )
         decoder = IncrementalDecoder(self.tokenizer)
-        streaming = not tool_names  # with tools, text is streamed once it is known not to be a call
+        # With tools, text is streamed once it is known not to be a call; after tool results,
+        # only once it is known to use them (``_steps`` sends it whole).
+        streaming = not tool_names
+        hold = bool(tool_names) and bool(run.executed)
         call_opening = (self.call_format.syntax.open or "{")[0]
         with run.trace.span(f"chat {self.model_name}", {"gen_ai.request.model": self.model_name}) as chat:
             cycles = []
@@ -267,7 +308,7 @@ class AgentLoop:
                 if event.cycle is not None:
                     cycles.append((event.cycle, len(event.token_ids)))
                 piece = decoder.push(event.token_ids)
-                if not streaming and decoder.text.strip():
+                if not streaming and not hold and decoder.text.strip():
                     streaming = not decoder.text.lstrip().startswith(call_opening)
                     piece = decoder.text if streaming else ""
                 if streaming and piece:
@@ -277,6 +318,33 @@ class AgentLoop:
             self._record_chat(run.trace, chat, cycles, stats)
         run.stats.append(stats)
         return decoder.finish(), stats
+
+    def _gate(self, run: _Run, shown_tools: list[str]) -> GateVerdict:
+        """The irrelevance gate's verdict on the first step (``agent/tool_gate.py``)."""
+        options = run.options
+        similarity = probability = None
+        held = False
+        with run.trace.span("tool_gate") as span:
+            if self.relevance is not None and options.min_tool_similarity is not None:
+                schemas = [self.registry.get(name).openai_schema() for name in shown_tools]
+                similarity = self.relevance.similarity(run.question, schemas)
+                held = similarity < options.min_tool_similarity
+            if not held and self.intent_gate and options.min_call_probability is not None:
+                probability = self._call_probability(run, shown_tools)
+                held = probability < options.min_call_probability
+            verdict = GateVerdict(similarity, probability, held)
+            span.set_attributes({key: value for key, value in verdict.record().items() if value is not None})
+        return verdict
+
+    def _call_probability(self, run: _Run, shown_tools: list[str]) -> float:
+        """P(the first step opens a call), from one forward over the first step's own prompt."""
+        prompt = prompt_ids(self.tokenizer, self._parts(run, shown_tools))
+        capture = NextTokenLogits()
+        request = GenerationRequest(prompt, max_tokens=1, speculation="off", logits_processors=[capture])
+        for _ in self.generate(request):
+            pass
+        assert capture.logits is not None
+        return call_probability(capture.logits, call_opening_ids(self.tokenizer, self.call_format.syntax.open.strip()))
 
     def _probe(self, run: _Run) -> dict[str, Any]:
         """P(no) of the answerability probe over the first step's prompt, and the gate's verdict."""
@@ -317,10 +385,12 @@ class AgentLoop:
         return attributed
 
     def _parts(self, run: _Run, tool_names: list[str]) -> PromptParts:
+        held = run.gate is not None and run.gate.held
         return PromptParts(
             run.question,
             system=self.system,
             tool_schemas=[self.registry.get(name).openai_schema() for name in tool_names],
+            tools_offered=run.tools_offered and not held,  # the system prompt speaks of tool results
             # Passages found later by search_documents reach the model in its tool result,
             # not here: re-rendering the first message would break the cached prefix.
             passages=run.prompt_passages,
@@ -412,30 +482,7 @@ class AgentLoop:
             },
             "speculation": speculation_summary(run.stats),
             "answerability": run.answerability,
+            "tool_gate": run.gate.record() if run.gate is not None else None,
             "attribution": run.attribution,
             "trace_id": run.trace.trace_id,
         }
-
-
-def first_time(calls: Sequence[ToolCall], executed: Mapping[str, ToolResult]) -> list[bool]:
-    """Per call: not made earlier in the run, nor earlier in the same turn."""
-    seen = set(executed)
-    fresh = []
-    for call in calls:
-        key = canonical_call(call)
-        fresh.append(key not in seen)
-        seen.add(key)
-    return fresh
-
-
-def canonical_call(call: ToolCall) -> str:
-    """Two calls are the same call when name and arguments are equal as JSON."""
-    return canonical_json({"name": call.name, "arguments": call.arguments})
-
-
-def default_tools(registered: Sequence[str]) -> list[str]:
-    """The tools a run offers unless it names its own: every registered one but the built-in
-    search. The question's retrieval has already run; offered a second search by default,
-    the small models here (qwen2.5-coder-0.5b, smollm2) called it with placeholder queries
-    instead of answering. A run that names ``search_documents`` in ``tools`` gets it."""
-    return [name for name in registered if name != SEARCH_TOOL]

@@ -59,11 +59,15 @@ PASSAGES_AND_TOOLS_SYSTEM = (
 ANSWER_REQUEST = "Using the tool results above, answer in plain text: {question}"
 
 
+# Neither passages nor tools: a run without an index whose tools the irrelevance gate held back.
+PLAIN_SYSTEM = "You are a helpful assistant. Answer the question directly and briefly."
+
+
 def default_system(has_passages: bool, has_tools: bool) -> str:
-    """The system prompt for what the run offers: passages, tools, or both."""
+    """The system prompt for what the run offers: passages, tools, both, or neither."""
     if has_tools:
         return PASSAGES_AND_TOOLS_SYSTEM if has_passages else TOOLS_SYSTEM
-    return DEFAULT_SYSTEM
+    return DEFAULT_SYSTEM if has_passages else PLAIN_SYSTEM
 
 
 class PassageLike(Protocol):
@@ -82,12 +86,13 @@ class PromptParts:
     steps: Sequence[dict[str, Any]] = field(default_factory=tuple)  # this turn's tool calls and results
     call_format: CallFormat = BARE_JSON  # HERMES: the chat template renders the tools itself
     answer_request: bool = False  # end with ANSWER_REQUEST: the step may only answer
+    tools_offered: bool = False  # the run offers tools, shown or not (an answer step shows none)
 
     @property
     def system_text(self) -> str:
         if self.system is not None:
             return self.system
-        return default_system(bool(self.passages), bool(self.tool_schemas))
+        return default_system(bool(self.passages), bool(self.tool_schemas) or self.tools_offered)
 
     @property
     def template_tools(self) -> list[dict[str, Any]] | None:

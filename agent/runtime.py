@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.loop import AgentEvent, AgentLoop, RunOptions
+from agent.tool_gate import ToolRelevance
 from agent.trace import Tracer, TraceStore
 from agent.worker import EngineWorker
 from decoding.engine import Engine
@@ -24,6 +25,7 @@ from decoding.grammar import Grammar
 from decoding.model import CausalLM, load_model
 from decoding.prefix_cache import PrefixCache
 from decoding.request import GenerationEvent, GenerationRequest
+from retrieval.embed import Embedder
 from tools import Tool, ToolRegistry, search_documents_tool
 from tools.formats import FORMATS, CallFormat
 
@@ -67,6 +69,8 @@ class Agent:
             system=system,
             tracer=self.tracer,
             call_format=FORMATS[call_format] if isinstance(call_format, str) else call_format,
+            relevance=ToolRelevance(self.retriever.embedder if self.retriever is not None else Embedder()),
+            intent_gate=True,
         )
 
     @property

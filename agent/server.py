@@ -229,19 +229,23 @@ def _run_options(agent: Any, body: AgentRunRequest, limits: ServerLimits) -> dic
             f"the question has {question_tokens} tokens; the limit is {limits.max_prompt_tokens}",
             code="context_length_exceeded",
         )
-    return {
-        "max_steps": max_steps,
-        "max_tokens": max_tokens,
-        "k": body.k,
-        "lookup_k": max(10, body.k),
-        "speculation": body.speculation,
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "seed": body.seed,
-        "tools": list(tools),
-        "abstain_threshold": body.abstain_threshold,
-        "citations": body.citations,
-    } | ({} if body.citation_min_similarity is None else {"citation_min_similarity": body.citation_min_similarity})
+    return (
+        {
+            "max_steps": max_steps,
+            "max_tokens": max_tokens,
+            "k": body.k,
+            "lookup_k": max(10, body.k),
+            "speculation": body.speculation,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "seed": body.seed,
+            "tools": list(tools),
+            "abstain_threshold": body.abstain_threshold,
+            "citations": body.citations,
+        }
+        | ({} if body.citation_min_similarity is None else {"citation_min_similarity": body.citation_min_similarity})
+        | ({} if body.tool_gate else {"min_tool_similarity": None, "min_call_probability": None})
+    )
 
 
 def _observe_event(

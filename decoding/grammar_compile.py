@@ -85,11 +85,25 @@ def _text_answer(syntax: CallSyntax) -> xgr.Grammar:
     blocked from the first wrote ``>{"name": ...`` instead)."""
     if not syntax.lenient:
         return xgr.Grammar.from_ebnf(_TEXT_ANSWER_EBNF)
-    # The arguments key with a quote on either side: held to text, the Qwen coder models wrote
-    # their calls as {"name": ..., "arguments': ...} and {"name": ..., " arguments": ...}
-    # (tool-use eval). A quoted "arguments" in prose is the price.
-    keys = ['"arguments', "'arguments", 'arguments"', "arguments'"]
-    return xgr.Grammar.from_ebnf(text_without_ebnf([syntax.open.strip(), *keys], first_not="{"))
+    forbidden = [syntax.open.strip(), *CALL_KEY_QUOTES, *JSON_OBJECT_OPENINGS]
+    return xgr.Grammar.from_ebnf(text_without_ebnf(forbidden, first_not="{"))
+
+
+# A JSON object's opening brace and first key, as models lay it out. Held to text after the
+# irrelevance gate, qwen2.5-coder-1.5b wrote its call with other keys in a code fence
+# (```json {"function": "convert_length", "parameters": ...}). Dicts in Python's own quotes
+# ({'a': 1}) stay writable.
+JSON_OBJECT_OPENINGS = ('{"', '{ "', '{\t"', *("{\n" + " " * indent + '"' for indent in range(9)))
+# A call's keys with a quote on either side, a space between allowed: held to text, the
+# Qwen coder models wrote their calls as {"name": ..., "arguments': ...}, {"name": ...,
+# " arguments": ...} and <tools>{"name": ..., " arguments ": ...}</tools> (tool-use eval).
+# A quoted "name" or "arguments" in prose is the price.
+CALL_KEY_QUOTES = tuple(
+    spelled
+    for key in ("name", "arguments")
+    for quote in ('"', "'")
+    for spelled in (quote + key, quote + " " + key, key + quote)
+)
 
 
 def text_without_ebnf(forbidden: Sequence[str], first_not: str = "") -> str:
@@ -121,6 +135,8 @@ def text_without_ebnf(forbidden: Sequence[str], first_not: str = "") -> str:
 
 
 def _class_char(char: str) -> str:
+    if char in "\n\t\r":
+        return json.dumps(char)[1:-1]  # the escape, not the character: a class holds no newline
     return "\\" + char if char in "\\]^-[" else char
 
 

@@ -52,6 +52,7 @@ class TaskScore:
     call_syntax_answer: bool
     seconds: float
     errors: list[str] = field(default_factory=list)
+    tool_gate: dict[str, Any] | None = None  # the irrelevance gate's verdict (agent/tool_gate.py)
 
 
 def load_tasks(path: Path = DATASET, split: str = "all") -> list[dict[str, Any]]:
@@ -82,6 +83,7 @@ def score_task(task: dict[str, Any], result: dict[str, Any], seconds: float) -> 
         executed_twice=_executed_twice(steps),
         call_syntax_answer=is_call_syntax(answer),
         seconds=seconds,
+        tool_gate=result.get("tool_gate"),
     )
 
 

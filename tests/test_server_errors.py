@@ -58,6 +58,7 @@ def chat(**fields: Any) -> dict[str, Any]:
         (RUNS, {"question": "q", "citations": "post-hoc"}, 400, "citations"),
         (RUNS, {"question": "q", "citation_min_similarity": -0.1}, 400, "citation_min_similarity"),
         (RUNS, {"question": "q", "tools": ["no_such_tool"]}, 400, "tools"),
+        (RUNS, {"question": "q", "tool_gate": "off"}, 400, "tool_gate"),
         (RUNS, {"question": "q", "surprise": 1}, 400, "surprise"),
         (RUNS, {"question": "word " * 200}, 400, "question"),
         (RUNS, [1, 2], 400, "body"),

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from agent.loop import AgentLoop, canonical_call
+from agent.loop import AgentLoop, canonical_call, uses_results
 from agent.prompt import (
     ANSWER_REQUEST,
     PASSAGES_AND_TOOLS_SYSTEM,
@@ -25,10 +25,10 @@ from agent.prompt import (
     system_message,
 )
 from agent.trace import Tracer, TraceStore
-from decoding.grammar_compile import text_without_ebnf
+from decoding.grammar_compile import JSON_OBJECT_OPENINGS, text_without_ebnf
 from decoding.model import CausalLM
 from tests.agent_helpers import Scripted, add
-from tools import ToolCall, ToolRegistry
+from tools import ToolCall, ToolError, ToolRegistry, ToolResult
 from tools.formats import BARE_JSON, HERMES, TAGGED_JSON, format_for
 
 HERMES_TEMPLATE = (
@@ -105,6 +105,22 @@ def test_text_answers_never_contain_call_syntax(text_grammar: xgr.CompiledGramma
     assert accepted == expected
 
 
+@pytest.fixture(scope="module")
+def no_json_object_grammar(smollm2: CausalLM) -> xgr.CompiledGrammar:
+    grammar = xgr.Grammar.from_ebnf(text_without_ebnf(list(JSON_OBJECT_OPENINGS)))
+    return xgr.GrammarCompiler(smollm2.grammar_compiler.tokenizer_info).compile_grammar(grammar)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet='{"\n \ta', min_size=1, max_size=16))
+def test_text_answers_never_open_a_json_object_whatever_the_layout(
+    no_json_object_grammar: xgr.CompiledGrammar, text: str
+) -> None:
+    matcher = xgr.GrammarMatcher(no_json_object_grammar)
+    accepted = matcher.accept_string(text) and matcher.is_completed()
+    assert accepted == (not any(opening in text for opening in JSON_OBJECT_OPENINGS))
+
+
 def test_the_hermes_grammar_takes_every_written_form_and_text_but_no_broken_call(smollm2: CausalLM) -> None:
     compiler = smollm2.grammar_compiler
     grammar = ToolRegistry([add]).grammar(compiler, allow_text=True, syntax=HERMES.syntax)
@@ -117,14 +133,17 @@ def test_the_hermes_grammar_takes_every_written_form_and_text_but_no_broken_call
     assert accepts(f"<tool_call>\n{call}\n</tool_call>")
     assert accepts(f"<tool_call>\n{call}\n</tool_call>\n<tool_call>\n{call}\n</tool_call>")  # parallel
     assert accepts(call) and accepts('```json\n{\n  "name": "add", "arguments": {"a": 1, "b": 2}\n}\n```')
-    assert accepts("The sum is 3.")
+    assert accepts("The sum is 3.") and accepts("Its name is add; its arguments are two numbers.")
+    assert accepts("In Python: d = {'a': 1}") and accepts("The set {1, 2} has two elements.")
     assert not accepts('{"name": "add", "arguments": {"a": "one"}}')  # b missing, a not an integer
     assert not accepts(f"Sure: {call}")  # call syntax inside a text answer
     text_only = compiler.text_answer(HERMES.syntax)
     matcher = xgr.GrammarMatcher(text_only.compiled)
     assert not (matcher.accept_string(f"<tool_call>\n{call}") and matcher.is_completed())
     evasions = ('```json\n{"name": "add", "arguments\': {"a": 1}}\n```', "Call add with 'arguments': 1")
-    for evasion in (*evasions, '<tools>\n{"name": "add", " arguments": {"a": 1}}'):
+    spaced = ('<tools>\n{"name": "add", " arguments ": {"a": 1}}', "<tools>\n{' name ': 'add'}")  # the 1.5B
+    spaced += ('```json\n{\n  "function": "add",\n  "parameters": {"a": 1}\n}\n```', 'Use {"a": 1}.')
+    for evasion in (*evasions, '<tools>\n{"name": "add", " arguments": {"a": 1}}', *spaced):
         matcher = xgr.GrammarMatcher(text_only.compiled)
         assert not (matcher.accept_string(evasion) and matcher.is_completed())  # seen from the 0.5B
 
@@ -193,8 +212,10 @@ def test_a_repeated_call_is_not_run_again_nor_written_and_the_next_step_may_only
     # asked again from where it stood (the repeat is not in the conversation), for an answer
     second, third = (hermes_tokenizer.decode(request.prompt_tokens) for request in script.requests[1:])
     opening = "<|im_start|>assistant"
-    assert third.startswith(second[: second.rindex(opening)]) and third.count(opening) == second.count(opening)
-    assert ANSWER_REQUEST.format(question="What is 1 + 2?") in third[second.rindex(opening) :]
+    schema = "Add two integers."
+    assert schema in second and schema not in third  # an answer step shows no tools to write
+    assert third.count("<tool_response>") == 1 and third.count(opening) == second.count(opening)
+    assert ANSWER_REQUEST.format(question="What is 1 + 2?") in third
     assert result["answer"] == "It is 3." and canonical_call(ToolCall("add", {"b": 2, "a": 1})) == canonical_call(
         ToolCall("add", {"a": 1, "b": 2})
     )
@@ -213,12 +234,56 @@ def test_a_turn_mixing_new_and_repeated_calls_runs_and_keeps_only_the_new_ones(h
     assert grammars[2] == (["add"], "hermes") and result["answer"] == "3 and 7."
 
 
-def test_the_last_step_may_only_answer_in_text_and_still_shows_the_tools(hermes_tokenizer: Any) -> None:
+def test_an_answer_that_ignores_the_results_is_asked_for_again_and_only_the_kept_one_is_streamed(
+    hermes_tokenizer: Any,
+) -> None:
+    loop, script, grammars = hermes_loop(
+        hermes_tokenizer, [tagged(("add", {"a": 20, "b": 17})), "The latest price of a stock.", "It is 37."]
+    )
+    events = list(loop.events("What is 20 + 17?"))
+    result = next(event["data"] for event in events if event["event"] == "final")
+    assert result["answer"] == "It is 37." and grammars[2] == ([], "hermes")  # the re-ask: text only
+    assert [step.get("ignored_results", False) for step in result["steps"]] == [False, True, False]
+    third = hermes_tokenizer.decode(script.requests[2].prompt_tokens)
+    assert ANSWER_REQUEST.format(question="What is 20 + 17?") in third and "latest price" not in third
+    streamed = "".join(event["data"]["text"] for event in events if event["event"] == "token")
+    assert streamed == "It is 37."
+
+
+def test_an_answer_that_uses_a_result_is_kept_first_time(hermes_tokenizer: Any) -> None:
+    loop, script, _ = hermes_loop(hermes_tokenizer, [tagged(("add", {"a": 2, "b": 2})), "Four, that is 4."])
+    assert loop.run("2 + 2?")["answer"] == "Four, that is 4." and len(script.requests) == 2
+
+
+@pytest.mark.parametrize(
+    ("answer", "results", "uses"),
+    [
+        ("It is about 4828 metres.", ["4828.03 m"], True),  # rounded
+        ("It is 37,200.", ["37200"], True),
+        ("The latest price of a stock.", ["37200"], False),
+        ("It is 372.", ["37200"], False),
+        ("The meeting is booked.", ["Booked the green room at 14:00 for Ana."], False),
+        ("Your green room is booked.", ["Booked the green room for Ana."], True),
+        ("Done.", [""], True),  # nothing to use
+    ],
+)
+def test_uses_results_reads_numbers_first_then_words(answer: str, results: list[str], uses: bool) -> None:
+    assert uses_results(answer, [ToolResult("tool", content) for content in results]) is uses
+
+
+def test_an_answer_after_failed_tools_only_is_kept() -> None:
+    failed = ToolResult("explode", "RuntimeError: boom 42", ToolError("exception", "boom 42"))
+    assert uses_results("Sorry, that failed.", [failed])
+    assert not uses_results("Sorry, that failed.", [failed, ToolResult("add", "5")])
+
+
+def test_the_last_step_may_only_answer_in_text_with_no_tools_in_view(hermes_tokenizer: Any) -> None:
     loop, script, grammars = hermes_loop(hermes_tokenizer, [tagged(("add", {"a": 1, "b": 1})), "Two."])
     loop.run("1 + 1?", loop_options(max_steps=2))
-    assert grammars == [(["add"], "hermes"), ([], "hermes")]
+    assert grammars == [(["add"], "hermes"), ([], "hermes")]  # the text branch of the tool grammar
     first, last = (hermes_tokenizer.decode(request.prompt_tokens) for request in script.requests)
-    assert last.startswith(first.removesuffix("<|im_start|>assistant\n"))  # the cached prompt, extended
+    assert "Add two integers." in first and "Add two integers." not in last
+    assert TOOLS_SYSTEM in last and "<tool_response>\n2\n</tool_response>" in last  # still told of tool results
 
 
 def loop_options(**values: Any) -> Any:

@@ -1,0 +1,60 @@
+"""The loop's rules about calls and answers: which calls are new, and whether an answer
+uses the tool results it was given. Pure functions over calls, results and text."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+
+from decoding.schema_merge import canonical_json
+from tools import ToolCall, ToolResult
+
+SEARCH_TOOL = "search_documents"
+
+
+def uses_results(answer: str, results: Iterable[ToolResult]) -> bool:
+    """Whether the answer takes anything from the tool results that succeeded: one of their
+    numbers, else one of their words of four letters or more. qwen2.5-coder-1.5b, given a calculator's
+    37200, answered with a tool's description ("The latest price of a stock."); asked again
+    for a text answer it used the result (tool-use eval, dev half)."""
+    numbers, words = set(), set()
+    for result in results:
+        if not result.ok:  # "the tool failed" is an answer that uses a failure
+            continue
+        numbers.update(_numbers(result.content))
+        words.update(_words(result.content))
+    if numbers:  # a rounded figure counts: 4828.03 m answered as 4828 metres
+        return any(abs(said - found) <= 0.005 * found + 0.01 for said in _numbers(answer) for found in numbers)
+    return not words or bool(words & _words(answer))
+
+
+def _numbers(text: str) -> set[float]:
+    return {float(found.replace(",", "")) for found in re.findall(r"\d[\d,]*(?:\.\d+)?", text)}
+
+
+def _words(text: str) -> set[str]:
+    return {word.lower() for word in re.findall(r"[^\W\d_]{4,}", text)}
+
+
+def first_time(calls: Sequence[ToolCall], executed: Mapping[str, ToolResult]) -> list[bool]:
+    """Per call: not made earlier in the run, nor earlier in the same turn."""
+    seen = set(executed)
+    fresh = []
+    for call in calls:
+        key = canonical_call(call)
+        fresh.append(key not in seen)
+        seen.add(key)
+    return fresh
+
+
+def canonical_call(call: ToolCall) -> str:
+    """Two calls are the same call when name and arguments are equal as JSON."""
+    return canonical_json({"name": call.name, "arguments": call.arguments})
+
+
+def default_tools(registered: Sequence[str]) -> list[str]:
+    """The tools a run offers unless it names its own: every registered one but the built-in
+    search. The question's retrieval has already run; offered a second search by default,
+    the small models here (qwen2.5-coder-0.5b, smollm2) called it with placeholder queries
+    instead of answering. A run that names ``search_documents`` in ``tools`` gets it."""
+    return [name for name in registered if name != SEARCH_TOOL]
