@@ -132,6 +132,11 @@ class _Run:
     answerability: dict[str, Any] | None = None
     attribution: dict[str, Any] | None = None
 
+    @property
+    def held(self) -> bool:
+        """The irrelevance gate held the run to a text answer."""
+        return self.gate is not None and self.gate.held
+
 
 class AgentLoop:
     """Runs the loop over a model's tokenizer, a retriever, tools and a ``generate`` callable."""
@@ -211,7 +216,7 @@ class AgentLoop:
         if offered:
             run.gate = self._gate(run, offered)
         for step in range(options.max_steps):
-            last = step == options.max_steps - 1 or run.answer_now or (run.gate is not None and run.gate.held)
+            last = step == options.max_steps - 1 or run.answer_now or run.held
             # A step that may only answer shows no tools: held to text with the tools in view,
             # both Qwen models wrote calls as text in ever new shapes ({name: "add", ...}).
             tool_names = [] if last else offered
@@ -283,8 +288,7 @@ class AgentLoop:
             span.set_attribute("prompt_tokens", len(prompt))
             # Compiled here (cached after the first time): part of building the request. A run
             # that offers tools answers under the text branch of the tool grammar.
-            offered = run.tools_offered
-            grammar = self.grammar_for(self.registry, tool_names, self.call_format) if offered else None
+            grammar = self.grammar_for(self.registry, tool_names, self.call_format) if run.tools_offered else None
         options = run.options
         request = GenerationRequest(
             prompt,
@@ -319,26 +323,26 @@ class AgentLoop:
         run.stats.append(stats)
         return decoder.finish(), stats
 
-    def _gate(self, run: _Run, shown_tools: list[str]) -> GateVerdict:
+    def _gate(self, run: _Run, offered: list[str]) -> GateVerdict:
         """The irrelevance gate's verdict on the first step (``agent/tool_gate.py``)."""
         options = run.options
         similarity = probability = None
         held = False
         with run.trace.span("tool_gate") as span:
             if self.relevance is not None and options.min_tool_similarity is not None:
-                schemas = [self.registry.get(name).openai_schema() for name in shown_tools]
+                schemas = [self.registry.get(name).openai_schema() for name in offered]
                 similarity = self.relevance.similarity(run.question, schemas)
                 held = similarity < options.min_tool_similarity
             if not held and self.intent_gate and options.min_call_probability is not None:
-                probability = self._call_probability(run, shown_tools)
+                probability = self._call_probability(run, offered)
                 held = probability < options.min_call_probability
             verdict = GateVerdict(similarity, probability, held)
             span.set_attributes({key: value for key, value in verdict.record().items() if value is not None})
         return verdict
 
-    def _call_probability(self, run: _Run, shown_tools: list[str]) -> float:
+    def _call_probability(self, run: _Run, offered: list[str]) -> float:
         """P(the first step opens a call), from one forward over the first step's own prompt."""
-        prompt = prompt_ids(self.tokenizer, self._parts(run, shown_tools))
+        prompt = prompt_ids(self.tokenizer, self._parts(run, offered))
         capture = NextTokenLogits()
         request = GenerationRequest(prompt, max_tokens=1, speculation="off", logits_processors=[capture])
         for _ in self.generate(request):
@@ -385,12 +389,11 @@ class AgentLoop:
         return attributed
 
     def _parts(self, run: _Run, tool_names: list[str]) -> PromptParts:
-        held = run.gate is not None and run.gate.held
         return PromptParts(
             run.question,
             system=self.system,
             tool_schemas=[self.registry.get(name).openai_schema() for name in tool_names],
-            tools_offered=run.tools_offered and not held,  # the system prompt speaks of tool results
+            tools_offered=run.tools_offered and not run.held,  # the system prompt speaks of tool results
             # Passages found later by search_documents reach the model in its tool result,
             # not here: re-rendering the first message would break the cached prefix.
             passages=run.prompt_passages,

@@ -203,7 +203,7 @@ def _list_required_names(node: dict[str, Any], path: str) -> dict[str, Any]:
     listed = dict(properties)
     for name in missing:
         schema = _schema_for_unlisted_name(node, name)
-        if schema is False or never_written(schema):
+        if never_written(schema):  # false included
             raise UnsupportedSchemaError(
                 "required", f"{path}/required", f"{name!r} is required but its object allows no such property"
             )

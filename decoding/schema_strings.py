@@ -47,16 +47,12 @@ def rewrite_strings(node: dict[str, Any], path: str, inline: Inline) -> dict[str
     pattern = node.get("pattern") if isinstance(node.get("pattern"), str) else None
     lengths = pattern is not None and any(key in node for key in _LENGTHS)
     negated = _negated_strings(node, path, inline)
-    unreadable = pattern is not None and (UNREADABLE_REGEX.search(pattern) or _names_json_specials(pattern))
+    specials = pattern is not None and _names_json_specials(pattern)
+    unreadable = pattern is not None and (UNREADABLE_REGEX.search(pattern) or specials)
     if not (lengths or negated is not None or unreadable):
         return node
     rest = {key: value for key, value in node.items() if key not in (*_LENGTHS, "not", "pattern")}
-    if (
-        negated is None
-        and pattern is not None
-        and not _names_json_specials(pattern)
-        and _lengths_implied(pattern, node)
-    ):
+    if negated is None and pattern is not None and not specials and _lengths_implied(pattern, node):
         return {**rest, "pattern": pattern}  # every match already has an allowed length
     keyword = "not" if negated is not None else "pattern"
     try:
