@@ -33,6 +33,9 @@ from decoding.batch_invariance import find_row_exact_setting
 from decoding.fast_paths import SkinnyLinear
 
 VERIFY_ROWS = 9
+# Bumped whenever SkinnyLinear's product forms change, so a cached timing of the old forms
+# is measured again instead of deciding the dtype.
+PRODUCT_FORMS = 2
 TIMING_REPEATS = 5
 CANDIDATES = (torch.float32, torch.bfloat16)
 
@@ -128,7 +131,8 @@ def auto_cpu_dtype(config: Any) -> torch.dtype:
 
 def cached_costs(config: Any) -> list[DtypeCost]:
     path = packs.cache_root() / "dtype_choice.json"
-    key = f"{cpu_model_name()}|torch {torch.__version__}|threads {torch.get_num_threads()}|{linear_shapes(config)}"
+    machine = f"{cpu_model_name()}|forms {PRODUCT_FORMS}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+    key = f"{machine}|{linear_shapes(config)}"
     try:
         table = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -4,10 +4,15 @@ Speed. Measured on this project's AVX2 machine (``python -m evals.bench_forward`
 numbers in the docs), two things made a verify forward over k = 2..16 tokens cost far
 more than a one-token step, although both read the same weights:
 
-1. MKL's GEMM for ``x @ W.T`` with few rows of ``x`` (``F.linear``) is slow: for an
-   [8960 x 1536] weight, 4 rows took 17 ms against 5 ms for one row. Computing the same
+1. MKL's float32 GEMM for ``x @ W.T`` with few rows of ``x`` (``F.linear``) is slow: for
+   an [8960 x 1536] weight, 4 rows took 17 ms against 5 ms for one row. Computing the same
    product as ``(W @ x.T).T``, the big matrix as the M dimension, took 4.9 ms. Never slower
-   for any k measured up to 512, so every ``nn.Linear`` uses it on CPU.
+   for any k measured up to 512, so every float32 ``nn.Linear`` uses it on CPU. bf16 is the
+   other way round: oneDNN's ``x @ W.T`` is the faster form, on both native-bf16 CPUs
+   measured (the 1.5B's matmuls of a one-token step inside the model: 97 ms against 125 ms
+   on the AVX512-BF16 EPYC; the whole step 254 against 319 ms on the AMX Xeon), so bf16
+   layers keep ``F.linear``'s form, a fixed rule by dtype (never a timing: the two forms
+   round differently, and the text must not depend on which was faster at load).
 2. transformers' SDPA path repeats the KV heads of grouped-query attention
    (``repeat_kv``: a copy of the whole cache per layer per forward) whenever a mask is
    needed, i.e. for every verify forward. ``enable_gqa=True`` lets the kernel share heads.
@@ -54,7 +59,8 @@ ROW_EXACT_QUERY_BLOCK = 16
 
 
 class SkinnyLinear(torch.nn.Linear):
-    """``nn.Linear`` computed as ``(W @ x.T).T``: fast when x has few rows (see module doc).
+    """``nn.Linear`` in the product form that is fast on few rows for its dtype: ``(W @ x.T).T``
+    in float32, ``F.linear``'s own ``x @ W.T`` in bf16 (see module doc).
 
     With ``k_chunks`` set (row-exact mode), the reduction runs over those column ranges
     of W one at a time and is summed in float32 in that order. With ``min_rows`` 2, a
@@ -65,6 +71,11 @@ class SkinnyLinear(torch.nn.Linear):
 
     k_chunks: tuple[tuple[int, int], ...] = ()
     min_rows: int = 1
+
+    @property
+    def weight_major(self) -> bool:
+        """``(W @ x.T).T`` (float32) rather than ``x @ W.T`` (bf16, fp16): see the module doc."""
+        return self.weight.dtype == torch.float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -77,6 +88,8 @@ class SkinnyLinear(torch.nn.Linear):
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
         if self.k_chunks:
             return self._chunked_product(rows)
+        if not self.weight_major:
+            return F.linear(rows, self.weight, self.bias)
         # The bias goes inside the GEMM (addmm), rounded once with the product as F.linear
         # does. Added after a bf16 product it is a second rounding, and Qwen's large q/k
         # biases then cost real accuracy: qwen2.5-coder-1.5b in bf16 answered a tool result
@@ -91,12 +104,13 @@ class SkinnyLinear(torch.nn.Linear):
 
     def _chunked_product(self, rows: torch.Tensor) -> torch.Tensor:
         accumulate = torch.promote_types(rows.dtype, torch.float32)
-        total = torch.zeros(self.weight.shape[0], rows.shape[0], dtype=accumulate, device=rows.device)
+        total = torch.zeros(rows.shape[0], self.weight.shape[0], dtype=accumulate, device=rows.device)
         for start, end in self.k_chunks:  # slices, not copies: measured as fast, no extra memory
-            total.add_(torch.mm(self.weight[:, start:end], rows[:, start:end].t()))
+            weight, part = self.weight[:, start:end], rows[:, start:end]
+            total.add_(torch.mm(weight, part.t()).t() if self.weight_major else torch.mm(part, weight.t()))
         if self.bias is not None:  # in float32, before the one rounding to the model's dtype
-            total.add_(self.bias.unsqueeze(1))
-        return total.t().to(rows.dtype).contiguous()
+            total.add_(self.bias)
+        return total.to(rows.dtype)
 
 
 def even_chunks(length: int, max_chunk: int) -> tuple[tuple[int, int], ...]:
