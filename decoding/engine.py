@@ -237,7 +237,7 @@ class Engine:
         draft = self._propose(seq, drafter, cap)
         if not draft.tokens:
             return Decision(0, policies.NO_PROPOSAL), None
-        return seq.policy.for_draft(draft.source, len(draft.tokens)), draft
+        return seq.policy.for_draft(draft.source, len(draft.tokens), draft.match_ngram), draft
 
     def _propose(self, seq: _Sequence, drafter: Drafter, gamma: int) -> Draft:
         with seq.stats.timed("draft"):
@@ -307,7 +307,7 @@ class Engine:
             seq.kv.crop(kept_before + 1 + accepted_len)
             for drafter in seq.drafters:  # a drafter that did not propose has nothing to undo
                 drafter.on_commit(committed, accepted_len)
-        seq.policy.observe(draft.source, len(draft.tokens), accepted_len)
+        seq.policy.observe(draft.source, len(draft.tokens), accepted_len, draft.match_ngram)
         seq.stats.record_verify(len(draft.tokens), accepted_len, draft.source)
         return self._commit(seq, committed)
 
@@ -420,4 +420,4 @@ def _truncate(draft: Draft, gamma: int) -> Draft:
     if gamma >= len(draft.tokens):
         return draft
     probs = draft.probs[:gamma] if draft.probs is not None else None
-    return Draft(draft.tokens[:gamma], probs, draft.source)
+    return Draft(draft.tokens[:gamma], probs, draft.source, draft.match_ngram)

@@ -156,3 +156,25 @@ def test_a_new_request_starts_from_what_earlier_requests_measured() -> None:
     assert second.estimate("P7").rate(0) < 0.1 and second.estimate("output").rate(0) == PolicyConfig().acceptance_prior
     second.observe("P7", 8, 8)
     assert second.estimate("P7").rate(0) > shared["passage"].rate(0) - 1e-9  # both moved, the copy is its own
+
+
+def test_lookup_estimates_are_kept_apart_by_the_length_of_the_matched_ngram() -> None:
+    request_policy = make_policy()
+    for _ in range(10):
+        request_policy.observe("prompt", 6, 0, match_ngram=1)  # 1-gram continuations fail
+    assert request_policy.for_draft("prompt", 6, match_ngram=1).gamma == 0
+    assert request_policy.for_draft("prompt", 6, match_ngram=4).gamma > 0  # a 4-gram match is judged apart
+    assert policy.estimate_key("prompt", 3) == policy.estimate_key("prompt", 2) != policy.estimate_key("prompt", 1)
+    assert policy.source_kind(policy.estimate_key("P7", 5)) == policy.source_kind(policy.estimate_key("P2", 4))
+
+
+def test_a_carried_estimate_that_declines_still_gets_one_verify_of_the_new_requests_own() -> None:
+    shared: dict[str, AcceptanceEstimate] = {}
+    first = RequestPolicy("auto", 4, PolicyConfig(), CostModel(COSTS), shared=shared)
+    for _ in range(10):
+        first.observe("output", 8, 0, match_ngram=2)  # another request's proposals kept failing
+    assert first.for_draft("output", 6, match_ngram=2).gamma == 0
+    second = RequestPolicy("auto", 4, PolicyConfig(), CostModel(COSTS), shared=shared)
+    assert second.for_draft("output", 6, match_ngram=2) == policy.Decision(2, "probe")  # its own first look
+    second.observe("output", 2, 0, match_ngram=2)
+    assert second.for_draft("output", 6, match_ngram=2) == policy.Decision(0, policy.LOW_ACCEPTANCE)

@@ -109,3 +109,9 @@ def test_every_proposal_is_a_real_continuation_of_a_matched_ngram(
         for n in range(min_ngram, max_ngram + 1)
         for start in range(n, len(source_tokens))
     )
+
+
+def test_a_proposal_says_the_length_of_the_ngram_it_continues() -> None:
+    drafter = PromptLookupDrafter([1, 2, 3, 4, 5, 9, 3, 7], min_ngram=1, max_ngram=4)
+    assert drafter.propose([1, 2, 3, 4, 5, 9, 3, 7, 1, 2, 3, 4], 2).match_ngram == 4
+    assert drafter.propose([1, 2, 3, 4, 5, 9, 3, 7, 8, 9], 2).match_ngram == 1  # only "9" was seen

@@ -12,11 +12,14 @@ import torch
 @dataclass
 class Draft:
     """Proposed tokens. ``probs`` [len(tokens), V] holds the distributions they were
-    drawn from; None for a deterministic drafter (acceptance treats q as one-hot)."""
+    drawn from; None for a deterministic drafter (acceptance treats q as one-hot).
+    ``match_ngram``: for prompt lookup, the length of the n-gram the proposal continues
+    (0 for other drafters); the policy keeps its acceptance estimates apart by it."""
 
     tokens: list[int]
     probs: torch.Tensor | None
     source: str
+    match_ngram: int = 0
 
 
 class Drafter(Protocol):

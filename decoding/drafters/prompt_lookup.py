@@ -60,7 +60,7 @@ class PromptLookupDrafter:
         for ngram in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
             tokens, source = self._lookup(tuple(context[-ngram:]), max_tokens)
             if tokens:
-                return Draft(tokens, None, source)
+                return Draft(tokens, None, source, ngram)
         return Draft([], None, NO_MATCH)
 
     def on_commit(self, committed: Sequence[int], accepted_len: int) -> None:
