@@ -29,6 +29,16 @@ import msgspec
 
 CORPUS = Path(__file__).resolve().parent.parent / "tests" / "data" / "schemastore"
 PROMPT = "Write a short example {name} file. Reply with the JSON document only.\n\nWhat the file is: {description}"
+# --show-schema: the schema in the prompt as well as in the grammar, as Ollama's structured
+# output docs advise for grounding a model (vLLM and OpenAI's API leave the prompt to the user).
+SCHEMA_IN_PROMPT = "\n\nThe document must follow this JSON schema:\n{schema}"
+
+
+def prompt_for(entry: dict[str, Any], schema: dict[str, Any], show_schema: bool = False) -> str:
+    content = PROMPT.format(name=entry["name"], description=entry.get("description") or entry["name"])
+    if show_schema:
+        content += SCHEMA_IN_PROMPT.format(schema=json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
+    return content
 
 
 @dataclass
@@ -57,13 +67,14 @@ def run_one(
     schema: dict[str, Any],
     max_tokens: int,
     penalties: dict[str, float] | None = None,
+    show_schema: bool = False,
 ) -> Outcome:
     from agent.api_models import ChatCompletionRequest, ServerLimits
     from agent.errors import ApiError
     from agent.openai_compat import ChatRun, plan_chat
     from tools.schema_check import SchemaViolation, validate_json_text
 
-    content = PROMPT.format(name=entry["name"], description=entry.get("description") or entry["name"])
+    content = prompt_for(entry, schema, show_schema)
     body = msgspec.convert(
         {
             "model": "specrag",
@@ -145,6 +156,7 @@ def markdown(summary: dict[str, Any], config: dict[str, Any]) -> str:
             f"Model `{config['model']}` ({config['dtype']}), greedy, max_tokens {config['max_tokens']}, "
             f"repetition_penalty {config.get('repetition_penalty', 1.0)}, "
             f"frequency_penalty {config.get('frequency_penalty', 0.0)}, "
+            f"schema in the prompt: {'yes' if config.get('show_schema') else 'no'}, "
             f"{config['cpu']}; `{config['command']}`",
             "",
             "| schemas | compiled | refused | valid | invalid | truncated | errors |",
@@ -167,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, help="run N schemas spread over the corpus")
     parser.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's rule, as the request field")
     parser.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's rule, as the request field")
+    parser.add_argument("--show-schema", action="store_true", help="put the schema in the prompt too")
     parser.add_argument("--out", type=Path, help="folder for report.json and report.md")
     args = parser.parse_args(argv)
 
@@ -179,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for entry, schema in load_corpus(args.limit):
             try:
-                outcome = run_one(agent, entry, schema, args.max_tokens, penalties)
+                outcome = run_one(agent, entry, schema, args.max_tokens, penalties, args.show_schema)
             except Exception as error:  # counted and reported, never hidden; the run goes on
                 outcome = Outcome(entry["file"], "error", f"{type(error).__name__}: {error}"[:500])
             outcomes.append(outcome)
@@ -193,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
         "limit": args.limit,
         **penalties,
+        "show_schema": args.show_schema,
         "cpu": cpu_model_name(),
         "command": "python -m evals.schema_corpus " + " ".join(argv if argv is not None else sys.argv[1:]),
     }

@@ -129,3 +129,13 @@ def test_validation_fetches_nothing_and_reads_a_remote_reference_as_unsatisfiabl
     validate_value("written by the grammar", schema)
     with pytest.raises(SchemaViolation, match="not valid under any"):
         validate_value(3, schema)  # only the remote branch could have accepted it
+
+
+def test_show_schema_puts_the_compact_schema_in_the_prompt_and_the_default_does_not() -> None:
+    from evals.schema_corpus import prompt_for
+
+    entry = {"name": "marker", "description": "a marked file"}
+    assert "schema" not in prompt_for(entry, MARKED)
+    shown = prompt_for(entry, MARKED, show_schema=True)
+    assert shown.startswith(prompt_for(entry, MARKED))
+    assert shown.endswith(json.dumps(MARKED, separators=(",", ":")))
