@@ -44,8 +44,15 @@ from typing import Any
 
 from agent.answerability import ABSTENTION, AnswerTokens, NextTokenLogits, p_unanswerable, probe_messages
 from agent.attribution import DEFAULT_MIN_SIMILARITY, Attributor, attribution_record
-from agent.call_rules import SEARCH_TOOL, canonical_call, default_tools, first_time, uses_results
-from agent.prompt import PromptParts, encode_messages, format_passage, passage_label, prompt_ids
+from agent.call_rules import (
+    SEARCH_TOOL,
+    canonical_call,
+    default_tools,
+    first_time,
+    repeats_within_turn,
+    uses_results,
+)
+from agent.prompt import REPEAT_NOTE, PromptParts, encode_messages, format_passage, passage_label, prompt_ids
 from agent.results import ShownPassage, resolve_citations, speculation_summary, step_record, tool_result_dict
 from agent.stream import IncrementalDecoder
 from agent.tool_gate import (
@@ -245,6 +252,8 @@ class AgentLoop:
                 result = self._execute_new(run, call) if new else run.executed[canonical_call(call)]
                 run.steps.append({**step_record(step, "tool_call", stats, call, result), "repeated": not new})
                 yield {"event": "tool_result", "data": {"step": step, **tool_result_dict(result)}}
+            if new_calls and repeats_within_turn(calls):  # it meant another call: say so, tools in view
+                run.messages.append({"role": "user", "content": REPEAT_NOTE.format(question=run.question)})
         return ""
 
     # -- stages ------------------------------------------------------------------------
