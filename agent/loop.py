@@ -11,7 +11,8 @@ again, nor written into the conversation: the model is asked again from where it
 with the earlier result above it, and may then only answer (small models given a result
 tend to make the same call once more). The last allowed step, and a step after a repeat,
 show no tools and admit only text (the text branch of the tool grammar): with the tools in
-view, held-to-text steps wrote calls as text. Once tools have run they end with a user turn
+view, held-to-text steps wrote calls as text. A turn that wrote one call twice runs it once
+and is told so in a user turn (``REPEAT_NOTE``), the tools still in view. Once tools have run they end with a user turn
 asking for the answer (``agent/prompt.py``: ``ANSWER_REQUEST``), so a run always ends with
 an answer and never with call syntax. Such a step re-prefills from the system prompt (the
 tools block is gone), a few hundred tokens.
@@ -36,14 +37,13 @@ whole result) and ``error``. A run leaves one trace (``agent/trace.py``).
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from agent.answerability import ABSTENTION, AnswerTokens, NextTokenLogits, p_unanswerable, probe_messages
-from agent.attribution import DEFAULT_MIN_SIMILARITY, Attributor, attribution_record
+from agent.attribution import Attributor, attribution_record
 from agent.call_rules import (
     SEARCH_TOOL,
     canonical_call,
@@ -53,17 +53,11 @@ from agent.call_rules import (
     uses_results,
 )
 from agent.prompt import REPEAT_NOTE, PromptParts, encode_messages, format_passage, passage_label, prompt_ids
-from agent.results import ShownPassage, resolve_citations, speculation_summary, step_record, tool_result_dict
+from agent.results import ShownPassage, record_chat, step_record, tool_result_dict
+from agent.run_state import RunOptions, RunState
 from agent.stream import IncrementalDecoder
-from agent.tool_gate import (
-    DEFAULT_MIN_CALL_PROBABILITY,
-    DEFAULT_MIN_TOOL_SIMILARITY,
-    GateVerdict,
-    ToolRelevance,
-    call_opening_ids,
-    call_probability,
-)
-from agent.trace import SpeculationCycle, Trace, Tracer
+from agent.tool_gate import GateVerdict, ToolRelevance, call_opening_ids, call_probability
+from agent.trace import Tracer
 from decoding.request import GenerationEvent, GenerationRequest
 from decoding.sampling import SamplingParams
 from decoding.stats import GenerationStats
@@ -82,67 +76,6 @@ from tools.formats import CallFormat, format_for
 logger = logging.getLogger(__name__)
 Generate = Callable[[GenerationRequest], Iterator[GenerationEvent]]
 AgentEvent = dict[str, Any]  # {"event": name, "data": {...}}
-CITATION_MODES = ("model", "attribute")
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    max_steps: int = 4
-    max_tokens: int = 256
-    k: int = 5  # passages shown in the prompt
-    lookup_k: int = 10  # passages retrieved for prompt lookup (the k shown among them)
-    speculation: str = "auto"
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    tools: Sequence[str] | None = None  # names the model may call; None: default_tools(registered)
-    # Reply ABSTENTION without generating when the answerability probe's P(no) reaches this
-    # (agent/answerability.py); None: no gate. measure_answerability runs the probe ungated.
-    abstain_threshold: float | None = None
-    measure_answerability: bool = False
-    # "attribute": the final answer's [Pn] markers are replaced by post-hoc ones, each sentence
-    # citing the shown passage closest in meaning when the cosine reaches citation_min_similarity
-    # (agent/attribution.py); "model": the markers the model wrote.
-    citations: str = "model"
-    citation_min_similarity: float = DEFAULT_MIN_SIMILARITY
-    # The irrelevance gate (agent/tool_gate.py): the first step may only answer in text when
-    # no offered tool is this close to the question, or when the model's P(opening a call)
-    # is below this. None: that signal is off. Applies where the loop has the gate's parts.
-    min_tool_similarity: float | None = DEFAULT_MIN_TOOL_SIMILARITY
-    min_call_probability: float | None = DEFAULT_MIN_CALL_PROBABILITY
-
-    def __post_init__(self) -> None:
-        if self.abstain_threshold is not None and not 0.0 <= self.abstain_threshold <= 1.0:
-            raise ValueError(f"abstain_threshold must be within [0, 1], not {self.abstain_threshold}")
-        if self.citations not in CITATION_MODES:
-            raise ValueError(f"citations must be one of {', '.join(CITATION_MODES)}, not {self.citations!r}")
-        if not 0.0 <= self.citation_min_similarity <= 1.0:
-            raise ValueError(f"citation_min_similarity must be within [0, 1], not {self.citation_min_similarity}")
-
-
-@dataclass
-class _Run:
-    question: str
-    options: RunOptions
-    trace: Trace
-    run_id: str = field(default_factory=lambda: secrets.token_hex(8))
-    shown: list[ShownPassage] = field(default_factory=list)  # every passage given a label
-    prompt_passages: list[ShownPassage] = field(default_factory=list)  # the first retrieval's, in the prompt
-    lookup: list[tuple[str, list[int]]] = field(default_factory=list)  # (passage id, token ids)
-    steps: list[dict[str, Any]] = field(default_factory=list)
-    messages: list[dict[str, Any]] = field(default_factory=list)  # this turn's tool calls and results
-    executed: dict[str, ToolResult] = field(default_factory=dict)  # canonical call -> its result
-    answer_now: bool = False  # every call of a turn was a repeat: the next step may only answer
-    tools_offered: bool = False
-    gate: GateVerdict | None = None
-    stats: list[GenerationStats] = field(default_factory=list)
-    answerability: dict[str, Any] | None = None
-    attribution: dict[str, Any] | None = None
-
-    @property
-    def held(self) -> bool:
-        """The irrelevance gate held the run to a text answer."""
-        return self.gate is not None and self.gate.held
 
 
 class AgentLoop:
@@ -191,7 +124,7 @@ class AgentLoop:
     def events(self, question: str, options: RunOptions | None = None) -> Iterator[AgentEvent]:
         options = options or RunOptions()
         trace = self.tracer.start_trace(attributes={"gen_ai.operation.name": "invoke_agent", "question": question})
-        run = _Run(question, options, trace)
+        run = RunState(question, options, trace)
         try:
             if self.retriever is not None:
                 run.prompt_passages = self._retrieve(run, question, options.lookup_k)
@@ -205,7 +138,7 @@ class AgentLoop:
                 answer = yield from self._steps(run)
                 if options.citations == "attribute" and run.shown and self.retriever is not None:
                     answer = self._attribute(run, answer)
-            result = self._result(run, answer)
+            result = run.result(answer)
             trace.root.set_attribute("output_tokens", result["usage"]["completion_tokens"])
             trace.finish()
             yield {"event": "final", "data": result}
@@ -215,7 +148,7 @@ class AgentLoop:
             trace.finish()
             yield {"event": "error", "data": {"type": type(error).__name__, "message": str(error)}}
 
-    def _steps(self, run: _Run) -> Iterator[AgentEvent] | Any:  # a generator returning the answer
+    def _steps(self, run: RunState) -> Iterator[AgentEvent] | Any:  # a generator returning the answer
         """Generate, run the tools called, repeat, until the model answers in text."""
         options = run.options
         offered = self._allowed_tools(options) if options.max_steps > 1 else []
@@ -258,7 +191,7 @@ class AgentLoop:
 
     # -- stages ------------------------------------------------------------------------
 
-    def _retrieve(self, run: _Run, query: str, count: int) -> list[ShownPassage]:
+    def _retrieve(self, run: RunState, query: str, count: int) -> list[ShownPassage]:
         """Search, show the top ``k`` (new ones get the next labels), feed all to prompt lookup."""
         with run.trace.span(f"retrieval {getattr(self.retriever, 'name', 'index')}") as span:
             passages, timings = self.retriever.search_with_timings(query, count)
@@ -288,7 +221,7 @@ class AgentLoop:
         return shown
 
     def _generate_step(
-        self, run: _Run, step: int, tool_names: list[str]
+        self, run: RunState, step: int, tool_names: list[str]
     ) -> Iterator[AgentEvent] | Any:  # a generator returning (text, stats)
         """One generation: ``tool_names`` may be called and are shown; none: a text answer."""
         with run.trace.span("prompt_build") as span:
@@ -328,11 +261,11 @@ class AgentLoop:
                     yield {"event": "token", "data": {"step": step, "text": piece}}
                 stats = event.stats or stats
             assert stats is not None
-            self._record_chat(run.trace, chat, cycles, stats)
+            record_chat(run.trace, chat, cycles, stats)
         run.stats.append(stats)
         return decoder.finish(), stats
 
-    def _gate(self, run: _Run, offered: list[str]) -> GateVerdict:
+    def _gate(self, run: RunState, offered: list[str]) -> GateVerdict:
         """The irrelevance gate's verdict on the first step (``agent/tool_gate.py``)."""
         options = run.options
         similarity = probability = None
@@ -349,7 +282,7 @@ class AgentLoop:
             span.set_attributes({key: value for key, value in verdict.record().items() if value is not None})
         return verdict
 
-    def _call_probability(self, run: _Run, offered: list[str]) -> float:
+    def _call_probability(self, run: RunState, offered: list[str]) -> float:
         """P(the first step opens a call), from one forward over the first step's own prompt."""
         prompt = prompt_ids(self.tokenizer, self._parts(run, offered))
         capture = NextTokenLogits()
@@ -359,7 +292,7 @@ class AgentLoop:
         assert capture.logits is not None
         return call_probability(capture.logits, call_opening_ids(self.tokenizer, self.call_format.syntax.open.strip()))
 
-    def _probe(self, run: _Run) -> dict[str, Any]:
+    def _probe(self, run: RunState) -> dict[str, Any]:
         """P(no) of the answerability probe over the first step's prompt, and the gate's verdict."""
         options = run.options
         tool_names = self._allowed_tools(options) if options.max_steps > 1 else []
@@ -386,7 +319,7 @@ class AgentLoop:
             span.set_attributes(record)
         return record
 
-    def _attribute(self, run: _Run, answer: str) -> str:
+    def _attribute(self, run: RunState, answer: str) -> str:
         """The answer citing by post-hoc attribution; the model's own text is kept in the result."""
         threshold = run.options.citation_min_similarity
         with run.trace.span("attribute", {"min_similarity": threshold}) as span:
@@ -397,7 +330,7 @@ class AgentLoop:
             span.set_attribute("cited_sentences", sum(choice.label is not None for choice in choices))
         return attributed
 
-    def _parts(self, run: _Run, tool_names: list[str]) -> PromptParts:
+    def _parts(self, run: RunState, tool_names: list[str]) -> PromptParts:
         return PromptParts(
             run.question,
             system=self.system,
@@ -410,36 +343,14 @@ class AgentLoop:
             call_format=self.call_format,
         )
 
-    def _record_chat(self, trace: Trace, chat: Any, cycles: list[tuple[Any, int]], stats: GenerationStats) -> None:
-        chat.set_attributes(
-            {
-                "gen_ai.usage.input_tokens": stats.prompt_tokens,
-                "gen_ai.usage.output_tokens": stats.output_tokens,
-                "cached_prompt_tokens": stats.cached_prompt_tokens,
-                "uncached_prompt_tokens": stats.prompt_tokens - stats.cached_prompt_tokens,
-                "target_calls": stats.target_calls,
-                "finish_reason": stats.finish_reason or "",
-            }
-        )
-        if not cycles:
-            return
-        prefill = cycles[0][0]
-        trace.add_completed_span("prefill", prefill.start_ns, prefill.end_ns, {"tokens": stats.prompt_tokens}, chat)
-        if len(cycles) > 1:
-            decode = trace.add_completed_span(
-                "decode", cycles[1][0].start_ns, cycles[-1][0].end_ns, {"cycles": len(cycles) - 1}, chat
-            )
-            for info, committed in cycles[1:]:
-                decode.add_cycle(SpeculationCycle.from_engine(info, committed))
-
-    def _execute_new(self, run: _Run, call: ToolCall) -> ToolResult:
+    def _execute_new(self, run: RunState, call: ToolCall) -> ToolResult:
         """Run a call the run has not made; its result goes back as a ``tool`` message."""
         result = self._execute(run, call)
         run.executed[canonical_call(call)] = result
         run.messages.append({"role": "tool", "content": result.content})
         return result
 
-    def _execute(self, run: _Run, call: ToolCall) -> ToolResult:
+    def _execute(self, run: RunState, call: ToolCall) -> ToolResult:
         with run.trace.span(f"execute_tool {call.name}", {"gen_ai.tool.name": call.name}) as span:
             if call.name == SEARCH_TOOL and self.retriever is not None:
                 result = self._search_tool(run, call)
@@ -450,7 +361,7 @@ class AgentLoop:
                 span.set_status("error", result.error.message)
         return result
 
-    def _search_tool(self, run: _Run, call: ToolCall) -> ToolResult:
+    def _search_tool(self, run: RunState, call: ToolCall) -> ToolResult:
         """``search_documents`` run by the loop itself, so its passages become citable."""
         start = time.perf_counter()
         try:
@@ -474,27 +385,3 @@ class AgentLoop:
             return self.call_format.parse(text)
         except ValueError:
             return None  # a call cut short by max_tokens is not a call: it ends as text
-
-    def _result(self, run: _Run, answer: str) -> dict[str, Any]:
-        citations, dropped = resolve_citations(answer, run.shown)
-        prompt_tokens = sum(stats.prompt_tokens for stats in run.stats)
-        completion_tokens = sum(stats.output_tokens for stats in run.stats)
-        return {
-            "run_id": run.run_id,
-            "answer": answer,
-            "citations": citations,
-            "dropped_citations": dropped,
-            "passages": [asdict(passage) for passage in run.shown],
-            "steps": run.steps,
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "cached_prompt_tokens": sum(stats.cached_prompt_tokens for stats in run.stats),
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
-            "speculation": speculation_summary(run.stats),
-            "answerability": run.answerability,
-            "tool_gate": run.gate.record() if run.gate is not None else None,
-            "attribution": run.attribution,
-            "trace_id": run.trace.trace_id,
-        }

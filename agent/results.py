@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from agent.trace import SpeculationCycle, Trace
 from decoding.stats import GenerationStats
 from tools import ToolCall, ToolResult
 
@@ -80,3 +81,27 @@ def step_record(
     if result is not None:
         record["tool_result"] = tool_result_dict(result)
     return record
+
+
+def record_chat(trace: Trace, chat: Any, cycles: list[tuple[Any, int]], stats: GenerationStats) -> None:
+    """A generation's usage on its ``chat`` span, and its prefill and decode spans with every cycle."""
+    chat.set_attributes(
+        {
+            "gen_ai.usage.input_tokens": stats.prompt_tokens,
+            "gen_ai.usage.output_tokens": stats.output_tokens,
+            "cached_prompt_tokens": stats.cached_prompt_tokens,
+            "uncached_prompt_tokens": stats.prompt_tokens - stats.cached_prompt_tokens,
+            "target_calls": stats.target_calls,
+            "finish_reason": stats.finish_reason or "",
+        }
+    )
+    if not cycles:
+        return
+    prefill = cycles[0][0]
+    trace.add_completed_span("prefill", prefill.start_ns, prefill.end_ns, {"tokens": stats.prompt_tokens}, chat)
+    if len(cycles) > 1:
+        decode = trace.add_completed_span(
+            "decode", cycles[1][0].start_ns, cycles[-1][0].end_ns, {"cycles": len(cycles) - 1}, chat
+        )
+        for info, committed in cycles[1:]:
+            decode.add_cycle(SpeculationCycle.from_engine(info, committed))

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.loop import AgentLoop, RunOptions, ShownPassage, default_tools, resolve_citations
+from agent.loop import AgentLoop, RunOptions, ShownPassage, default_tools
+from agent.results import resolve_citations
 from agent.runtime import Agent
 from agent.trace import Tracer, TraceStore, stages_cover_run
 from decoding.model import CausalLM
