@@ -140,7 +140,9 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     stop: str | list[str] | None = None
     frequency_penalty: Penalty = 0.0
     presence_penalty: Penalty = 0.0
-    repetition_penalty: RepetitionPenalty = 1.0  # a vLLM extension of the OpenAI request
+    # A vLLM extension of the OpenAI request. None: 1.0, except for a json_schema response
+    # format with no penalty set (agent/openai_compat.py: STRUCTURED_REPETITION_PENALTY).
+    repetition_penalty: RepetitionPenalty | None = None
     n: int = 1
     speculation: Speculation = "auto"
 

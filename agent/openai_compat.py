@@ -114,8 +114,28 @@ def plan_chat(agent: Any, body: ChatCompletionRequest, limits: ServerLimits) -> 
     return ChatPlan(body, prompt, request, tool_names, stops, response_schema, parameters, call_format)
 
 
+# The repetition penalty of a json_schema request that sets no penalty. Greedy decoding
+# under a schema grammar loops on small models: qwen2.5-coder-0.5b on 120 SchemaStore
+# schemas ended 31 of the 108 it could compile at max_tokens 512, every one a degenerate
+# repeat ("image", "video", ... or .gz.gz.gz), and 1.1 cut that to 8 (valid 71% -> 93% of the
+# compiled; `python -m evals.schema_corpus`, README). A vLLM-based batch API (Sutro) sets a
+# repetition penalty for json-schema requests by default for the same reason. Any penalty
+# field in the request, 1.0 included, is used as given.
+STRUCTURED_REPETITION_PENALTY = 1.1
+
+
+def repetition_penalty_for(body: ChatCompletionRequest) -> float:
+    """The request's repetition_penalty, or the structured-output default where it set none."""
+    if body.repetition_penalty is not None:
+        return body.repetition_penalty
+    response_format = body.response_format
+    structured = response_format is not None and response_format.type == "json_schema" and not body.tools
+    unpenalised = body.frequency_penalty == 0.0 and body.presence_penalty == 0.0
+    return STRUCTURED_REPETITION_PENALTY if structured and unpenalised else 1.0
+
+
 def _penalty_processors(body: ChatCompletionRequest, prompt_length: int) -> list[PenaltyProcessor]:
-    penalties = Penalties(body.frequency_penalty, body.presence_penalty, body.repetition_penalty)
+    penalties = Penalties(body.frequency_penalty, body.presence_penalty, repetition_penalty_for(body))
     return [PenaltyProcessor(penalties, prompt_length)] if penalties.active else []
 
 

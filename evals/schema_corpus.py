@@ -171,13 +171,25 @@ def markdown(summary: dict[str, Any], config: dict[str, Any]) -> str:
     )
 
 
+def _effective_repetition_penalty(sent: float | None, frequency_penalty: float) -> float:
+    from agent.openai_compat import STRUCTURED_REPETITION_PENALTY
+
+    if sent is not None:
+        return sent
+    return STRUCTURED_REPETITION_PENALTY if frequency_penalty == 0.0 else 1.0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--limit", type=int, help="run N schemas spread over the corpus")
-    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's rule, as the request field")
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        help="vLLM's rule, as the request field (default: not sent, so the server's default applies)",
+    )
     parser.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's rule, as the request field")
     parser.add_argument("--show-schema", action="store_true", help="put the schema in the prompt too")
     parser.add_argument("--out", type=Path, help="folder for report.json and report.md")
@@ -187,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     from decoding.dtype_choice import cpu_model_name
 
     agent = Agent(model=args.model, dtype=args.dtype)
-    penalties = {"repetition_penalty": args.repetition_penalty, "frequency_penalty": args.frequency_penalty}
+    penalties: dict[str, float] = {"frequency_penalty": args.frequency_penalty}
+    if args.repetition_penalty is not None:
+        penalties["repetition_penalty"] = args.repetition_penalty
     outcomes = []
     try:
         for entry, schema in load_corpus(args.limit):
@@ -206,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
         "limit": args.limit,
         **penalties,
+        # what the server applied: the request's value, else its structured-output default
+        "repetition_penalty": _effective_repetition_penalty(args.repetition_penalty, args.frequency_penalty),
+        "repetition_penalty_sent": args.repetition_penalty is not None,
         "show_schema": args.show_schema,
         "cpu": cpu_model_name(),
         "command": "python -m evals.schema_corpus " + " ".join(argv if argv is not None else sys.argv[1:]),

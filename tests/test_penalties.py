@@ -44,3 +44,21 @@ def test_speculative_greedy_equals_plain_greedy_under_penalties(penalties: Penal
     for output, final in speculative_runs(prompt, 40, processors, [prompt, reference[5:]]):
         assert output == reference
         assert final.stats.drafted_tokens > 0 and final.stats.accepted_tokens > 0
+
+
+def test_a_json_schema_request_without_a_penalty_gets_the_structured_default() -> None:
+    import msgspec
+
+    from agent.api_models import ChatCompletionRequest
+    from agent.openai_compat import STRUCTURED_REPETITION_PENALTY, repetition_penalty_for
+
+    schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}
+
+    def body(**fields: object) -> ChatCompletionRequest:
+        return msgspec.convert({"messages": [{"role": "user", "content": "hi"}], **fields}, ChatCompletionRequest)
+
+    assert repetition_penalty_for(body(response_format=schema)) == STRUCTURED_REPETITION_PENALTY == 1.1
+    assert repetition_penalty_for(body(response_format=schema, repetition_penalty=1.0)) == 1.0  # as given
+    assert repetition_penalty_for(body(response_format=schema, frequency_penalty=0.5)) == 1.0  # one set: no default
+    assert repetition_penalty_for(body()) == 1.0
+    assert repetition_penalty_for(body(response_format={"type": "json_object"})) == 1.0
