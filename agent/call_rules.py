@@ -47,14 +47,6 @@ def first_time(calls: Sequence[ToolCall], executed: Mapping[str, ToolResult]) ->
     return fresh
 
 
-def repeats_within_turn(calls: Sequence[ToolCall]) -> bool:
-    """Whether one call of a turn equals an earlier call of the same turn. qwen2.5-coder-1.5b,
-    asked for two stock prices or two dates, wrote the first call twice and then invented the
-    second result (tool-use eval, dev half: t043, t047)."""
-    keys = [canonical_call(call) for call in calls]
-    return len(set(keys)) < len(keys)
-
-
 def canonical_call(call: ToolCall) -> str:
     """Two calls are the same call when name and arguments are equal as JSON."""
     return canonical_json({"name": call.name, "arguments": call.arguments})

@@ -11,8 +11,7 @@ again, nor written into the conversation: the model is asked again from where it
 with the earlier result above it, and may then only answer (small models given a result
 tend to make the same call once more). The last allowed step, and a step after a repeat,
 show no tools and admit only text (the text branch of the tool grammar): with the tools in
-view, held-to-text steps wrote calls as text. A turn that wrote one call twice runs it once
-and is told so in a user turn (``REPEAT_NOTE``), the tools still in view. Once tools have run they end with a user turn
+view, held-to-text steps wrote calls as text. Once tools have run they end with a user turn
 asking for the answer (``agent/prompt.py``: ``ANSWER_REQUEST``), so a run always ends with
 an answer and never with call syntax. Such a step re-prefills from the system prompt (the
 tools block is gone), a few hundred tokens.
@@ -44,15 +43,8 @@ from typing import Any
 
 from agent.answerability import ABSTENTION, AnswerTokens, NextTokenLogits, p_unanswerable, probe_messages
 from agent.attribution import Attributor, attribution_record
-from agent.call_rules import (
-    SEARCH_TOOL,
-    canonical_call,
-    default_tools,
-    first_time,
-    repeats_within_turn,
-    uses_results,
-)
-from agent.prompt import REPEAT_NOTE, PromptParts, encode_messages, format_passage, passage_label, prompt_ids
+from agent.call_rules import SEARCH_TOOL, canonical_call, default_tools, first_time, uses_results
+from agent.prompt import PromptParts, encode_messages, format_passage, passage_label, prompt_ids
 from agent.results import ShownPassage, record_chat, step_record, tool_result_dict
 from agent.run_state import RunOptions, RunState
 from agent.stream import IncrementalDecoder
@@ -185,8 +177,6 @@ class AgentLoop:
                 result = self._execute_new(run, call) if new else run.executed[canonical_call(call)]
                 run.steps.append({**step_record(step, "tool_call", stats, call, result), "repeated": not new})
                 yield {"event": "tool_result", "data": {"step": step, **tool_result_dict(result)}}
-            if new_calls and repeats_within_turn(calls):  # it meant another call: say so, tools in view
-                run.messages.append({"role": "user", "content": REPEAT_NOTE.format(question=run.question)})
         return ""
 
     # -- stages ------------------------------------------------------------------------

@@ -57,12 +57,6 @@ PASSAGES_AND_TOOLS_SYSTEM = (
 # request, it wrote its call again in a code fence; told so inside the tool result, it
 # copied the note as its answer.
 ANSWER_REQUEST = "Using the tool results above, answer in plain text: {question}"
-# Written as a user turn after the results of a turn that made one call twice (the copy was
-# not run), with the tools still in view: the model meant a second call and copied the first.
-REPEAT_NOTE = (
-    "Two of your tool calls were the same call, so it ran once. If part of the question still needs "
-    "a tool result, call the tool for that part now; otherwise answer: {question}"
-)
 
 
 # Neither passages nor tools: a run without an index whose tools the irrelevance gate held back.

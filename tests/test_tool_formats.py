@@ -19,7 +19,6 @@ from agent.loop import AgentLoop, canonical_call, uses_results
 from agent.prompt import (
     ANSWER_REQUEST,
     PASSAGES_AND_TOOLS_SYSTEM,
-    REPEAT_NOTE,
     TOOLS_SYSTEM,
     PromptParts,
     default_system,
@@ -233,31 +232,6 @@ def test_a_turn_mixing_new_and_repeated_calls_runs_and_keeps_only_the_new_ones(h
     third = hermes_tokenizer.decode(script.requests[2].prompt_tokens)
     assert third.count('"a": 3') == 1 and third.count("<tool_response>") == 2
     assert grammars[2] == (["add"], "hermes") and result["answer"] == "3 and 7."
-
-
-def test_a_call_made_twice_in_one_turn_runs_once_and_the_model_is_told_with_the_tools_in_view(
-    hermes_tokenizer: Any,
-) -> None:
-    twice = tagged(("add", {"a": 1, "b": 2}), ("add", {"a": 1, "b": 2}))
-    loop, script, grammars = hermes_loop(hermes_tokenizer, [twice, tagged(("add", {"a": 3, "b": 4})), "3 and 7."])
-    question = "Add 1 and 2, and 3 and 4."
-    result = loop.run(question)
-    calls = [step for step in result["steps"] if step["kind"] == "tool_call"]
-    assert [step["repeated"] for step in calls] == [False, True, False]
-    assert grammars[1] == (["add"], "hermes")  # the tools stay in view: it may make the call it meant
-    second, third = (hermes_tokenizer.decode(request.prompt_tokens) for request in script.requests[1:])
-    note = REPEAT_NOTE.format(question=question)
-    assert second.count(note) == 1 and second.index(note) > second.index("<tool_response>")
-    assert third.count(note) == 1 and third.index(note) < third.index('"a": 3')  # kept where it was said
-    assert result["answer"] == "3 and 7."
-
-
-def test_no_note_after_a_turn_of_different_calls(hermes_tokenizer: Any) -> None:
-    loop, script, _ = hermes_loop(
-        hermes_tokenizer, [tagged(("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})), "3 and 7."]
-    )
-    loop.run("Add 1 and 2, and 3 and 4.")
-    assert "ran once" not in hermes_tokenizer.decode(script.requests[1].prompt_tokens)
 
 
 def test_an_answer_that_ignores_the_results_is_asked_for_again_and_only_the_kept_one_is_streamed(
