@@ -12,7 +12,7 @@ it recovers by probing again after ``probe_interval`` declined cycles, so a requ
 turns copy-heavy regains speculation.
 
 Estimates are kept per source and, for prompt lookup, per length of the matched n-gram
-(1, 2-3, 4 and more): a proposal that continues a 4-gram match is accepted far more often
+(1, 2-3, 4 and more): a proposal that continues a long match can be accepted far more often
 than one after a 1-gram match, and pooled, the poor ones set the estimate the good ones
 are judged by (qwen2.5-coder-1.5b, bf16 EPYC, the decode benchmark: code_edit decoded at
 1.08x plain, 63 cycles declined for low acceptance over three runs that followed
