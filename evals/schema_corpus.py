@@ -61,21 +61,11 @@ def load_corpus(limit: int | None = None) -> list[tuple[dict[str, Any], dict[str
     return [(entry, json.loads((CORPUS / entry["file"]).read_text(encoding="utf-8"))) for entry in manifest]
 
 
-def run_one(
-    agent: Any,
-    entry: dict[str, Any],
-    schema: dict[str, Any],
-    max_tokens: int,
-    penalties: dict[str, float] | None = None,
-    show_schema: bool = False,
-) -> Outcome:
-    from agent.api_models import ChatCompletionRequest, ServerLimits
-    from agent.errors import ApiError
-    from agent.openai_compat import ChatRun, plan_chat
-    from tools.schema_check import SchemaViolation, validate_json_text
+def request_body(content: str, schema: dict[str, Any], max_tokens: int, penalties: dict[str, float] | None) -> Any:
+    """The chat request the eval sends for one schema: greedy, ``response_format`` json_schema."""
+    from agent.api_models import ChatCompletionRequest
 
-    content = prompt_for(entry, schema, show_schema)
-    body = msgspec.convert(
+    return msgspec.convert(
         {
             "model": "specrag",
             "messages": [{"role": "user", "content": content}],
@@ -86,6 +76,22 @@ def run_one(
         },
         ChatCompletionRequest,
     )
+
+
+def run_one(
+    agent: Any,
+    entry: dict[str, Any],
+    schema: dict[str, Any],
+    max_tokens: int,
+    penalties: dict[str, float] | None = None,
+    show_schema: bool = False,
+) -> Outcome:
+    from agent.api_models import ServerLimits
+    from agent.errors import ApiError
+    from agent.openai_compat import ChatRun, plan_chat
+    from tools.schema_check import SchemaViolation, validate_json_text
+
+    body = request_body(prompt_for(entry, schema, show_schema), schema, max_tokens, penalties)
     start = time.perf_counter()
     try:
         plan = plan_chat(agent, body, ServerLimits(max_prompt_tokens=8192, max_tokens_limit=max_tokens))
@@ -171,14 +177,6 @@ def markdown(summary: dict[str, Any], config: dict[str, Any]) -> str:
     )
 
 
-def _effective_repetition_penalty(sent: float | None, frequency_penalty: float) -> float:
-    from agent.openai_compat import STRUCTURED_REPETITION_PENALTY
-
-    if sent is not None:
-        return sent
-    return STRUCTURED_REPETITION_PENALTY if frequency_penalty == 0.0 else 1.0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -195,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="folder for report.json and report.md")
     args = parser.parse_args(argv)
 
+    from agent.openai_compat import repetition_penalty_for
     from agent.runtime import Agent
     from decoding.dtype_choice import cpu_model_name
 
@@ -221,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         "limit": args.limit,
         **penalties,
         # what the server applied: the request's value, else its structured-output default
-        "repetition_penalty": _effective_repetition_penalty(args.repetition_penalty, args.frequency_penalty),
+        "repetition_penalty": repetition_penalty_for(request_body("", {}, args.max_tokens, penalties)),
         "repetition_penalty_sent": args.repetition_penalty is not None,
         "show_schema": args.show_schema,
         "cpu": cpu_model_name(),
