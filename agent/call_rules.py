@@ -3,8 +3,10 @@ uses the tool results it was given. Pure functions over calls, results and text.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from decoding.schema_merge import canonical_json
 from tools import ToolCall, ToolResult
@@ -28,6 +30,36 @@ def uses_results(answer: str, results: Iterable[ToolResult]) -> bool:
     return not words or bool(words & _words(answer))
 
 
+def grounded(call: ToolCall, sources: Iterable[str]) -> bool:
+    """Whether every argument value of ``call`` is written in ``sources`` (the question,
+    earlier calls, their results): strings case-insensitively, numbers as numbers. A call
+    the loop makes the model write instead of a repeat (``agent/repeat_deviation.py``) must
+    pass: asked to change a repeated call, qwen2.5-coder-1.5b also wrote
+    ``convert_temperature(25, "celsius")`` for "What is the capital of Kenya?"."""
+    texts = [text.lower() for text in sources]
+    numbers = set().union(*(_numbers(text) for text in texts))
+    for value in _leaves(call.arguments):
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, int | float):
+            if not any(abs(abs(value) - found) <= 1e-9 * max(1.0, found) for found in numbers):  # unsigned
+                return False
+        elif not any(str(value).lower() in text for text in texts):
+            return False
+    return True
+
+
+def _leaves(value: object) -> Iterable[object]:
+    if isinstance(value, dict):
+        for item in value.values():
+            yield from _leaves(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _leaves(item)
+    else:
+        yield value
+
+
 def _numbers(text: str) -> set[float]:
     return {float(found.replace(",", "")) for found in re.findall(r"\d[\d,]*(?:\.\d+)?", text)}
 
@@ -45,6 +77,28 @@ def first_time(calls: Sequence[ToolCall], executed: Mapping[str, ToolResult]) ->
         fresh.append(key not in seen)
         seen.add(key)
     return fresh
+
+
+def made_before(call: ToolCall, executed: Mapping[str, ToolResult], loosely: bool = False) -> bool:
+    """Whether ``call`` is among the ``executed`` ones (keyed by ``canonical_call``);
+    ``loosely``: also when it differs from one only in the case or the outer spaces of
+    its strings (``" Kenya"``, ``"kenya"`` for ``"Kenya"``)."""
+    if canonical_call(call) in executed:
+        return True
+    if not loosely:
+        return False
+    key = _loose(json.loads(canonical_call(call)))
+    return any(_loose(json.loads(made)) == key for made in executed)
+
+
+def _loose(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.strip().casefold()
+    if isinstance(value, dict):
+        return {key: _loose(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_loose(item) for item in value]
+    return value
 
 
 def canonical_call(call: ToolCall) -> str:

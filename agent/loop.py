@@ -7,9 +7,12 @@ template has one (``tools/formats.py``: Qwen's ``<tool_call>`` blocks, several p
 results as ``tool`` messages), else as a bare JSON object. The output is generated under
 the tool-choice grammar, so it is either valid calls to offered tools or plain text; plain
 text is the final answer. A call identical to an earlier one of the run is not executed
-again, nor written into the conversation: the model is asked again from where it stood,
-with the earlier result above it, and may then only answer (small models given a result
-tend to make the same call once more). The last allowed step, and a step after a repeat,
+again, nor written into the conversation (small models given a result tend to make the
+same call once more, often where a second, different one was wanted). The step is first
+generated again with one token changed where the model was least sure
+(``agent/repeat_deviation.py``): a new call whose values are all written in the question,
+the calls or their results runs. Else the model is asked again from where it stood, with
+the earlier result above it, and may then only answer. The last allowed step, and a step after a repeat,
 show no tools and admit only text (the text branch of the tool grammar): with the tools in
 view, held-to-text steps wrote calls as text. Once tools have run they end with a user turn
 asking for the answer (``agent/prompt.py``: ``ANSWER_REQUEST``), so a run always ends with
@@ -38,17 +41,27 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from agent.answerability import ABSTENTION, AnswerTokens, NextTokenLogits, p_unanswerable, probe_messages
+from agent.answerability import ABSTENTION, AnswerTokens
 from agent.attribution import Attributor, attribution_record
-from agent.call_rules import SEARCH_TOOL, canonical_call, default_tools, first_time, uses_results
-from agent.prompt import PromptParts, encode_messages, format_passage, passage_label, prompt_ids
+from agent.call_rules import (
+    SEARCH_TOOL,
+    canonical_call,
+    default_tools,
+    first_time,
+    grounded,
+    made_before,
+    uses_results,
+)
+from agent.loop_probes import FirstStepProbes
+from agent.prompt import PromptParts, format_passage, passage_label, prompt_ids
+from agent.repeat_deviation import TRIES, BanAt, MarginRecorder, deviations
 from agent.results import ShownPassage, record_chat, step_record, tool_result_dict
 from agent.run_state import RunOptions, RunState
 from agent.stream import IncrementalDecoder
-from agent.tool_gate import GateVerdict, ToolRelevance, call_opening_ids, call_probability
+from agent.tool_gate import ToolRelevance
 from agent.trace import Tracer
 from decoding.request import GenerationEvent, GenerationRequest
 from decoding.sampling import SamplingParams
@@ -68,9 +81,26 @@ from tools.formats import CallFormat, format_for
 logger = logging.getLogger(__name__)
 Generate = Callable[[GenerationRequest], Iterator[GenerationEvent]]
 AgentEvent = dict[str, Any]  # {"event": name, "data": {...}}
+MAX_DEVIATIONS = 2  # taken per run: a run asked for three values needs two
+# The outcome of a deviation the run goes on with. Not "text": the 1.5B's calls after a
+# result were often fenced (```json), and its second choice ```python led to a text
+# answer that was a call written out (tool-use eval, dev half).
+TAKEN = ("ran",)
 
 
-class AgentLoop:
+@dataclass(frozen=True)
+class Generated:
+    """One generation of a step: its text, and what ``_deviate`` needs to generate it again."""
+
+    text: str
+    stats: GenerationStats
+    token_ids: list[int]
+    prompt_length: int
+    recorder: MarginRecorder | None
+    grammar: Any
+
+
+class AgentLoop(FirstStepProbes):
     """Runs the loop over a model's tokenizer, a retriever, tools and a ``generate`` callable."""
 
     def __init__(
@@ -152,8 +182,15 @@ class AgentLoop:
             # A step that may only answer shows no tools: held to text with the tools in view,
             # both Qwen models wrote calls as text in ever new shapes ({name: "add", ...}).
             tool_names = [] if last else offered
-            text, stats = yield from self._generate_step(run, step, tool_names)
+            generated = yield from self._generate_step(run, step, tool_names)
+            text, stats = generated.text, generated.stats
             calls = self._parse_calls(text) if tool_names else None
+            taken = sum(deviation["outcome"] in TAKEN for deviation in run.deviations)
+            if calls and not any(first_time(calls, run.executed)) and taken < MAX_DEVIATIONS:
+                deviated = yield from self._deviate(run, step, tool_names, generated)
+                if deviated is not None:
+                    text, stats = deviated.text, deviated.stats
+                    calls = self._parse_calls(text)
             if not calls and tool_names and run.executed and not uses_results(text, run.executed.values()):
                 # An answer that ignores every tool result is asked for again, text only.
                 run.steps.append({**step_record(step, "answer", stats), "ignored_results": True})
@@ -210,9 +247,34 @@ class AgentLoop:
             )
         return shown
 
+    def _deviate(
+        self, run: RunState, step: int, tool_names: list[str], generated: Generated
+    ) -> Iterator[AgentEvent] | Any:  # a generator returning Generated or None
+        """Every call of the step was made before: generate the step again with the written
+        token banned where the model was least sure (``agent/repeat_deviation.py``), up to
+        ``TRIES`` positions. The first try that makes a new call (not one made before but
+        for the case and spaces of its strings) whose values are grounded is returned;
+        None: no try did (the next step answers)."""
+        assert generated.recorder is not None  # steps after tool results keep their margins
+        sources = [run.question, *run.executed, *(result.content for result in run.executed.values())]
+        found = deviations(generated.recorder, generated.token_ids, generated.grammar, self._spell)
+        within = [deviation for deviation in found if deviation.margin <= run.options.max_deviation_margin]
+        for deviation in within[:TRIES]:
+            ban = BanAt(generated.prompt_length, generated.token_ids[: deviation.position], deviation.banned)
+            again = yield from self._generate_step(run, step, tool_names, ban)
+            calls = self._parse_calls(again.text)
+            fresh = [call for call in calls or [] if not made_before(call, run.executed, loosely=True)]
+            outcome = "text" if not calls else "repeat" if not fresh else "ran"
+            if outcome == "ran" and not all(grounded(call, sources) for call in fresh):
+                outcome = "ungrounded"
+            run.deviations.append({"step": step, **asdict(deviation), "outcome": outcome})
+            if outcome in TAKEN:
+                return again
+        return None
+
     def _generate_step(
-        self, run: RunState, step: int, tool_names: list[str]
-    ) -> Iterator[AgentEvent] | Any:  # a generator returning (text, stats)
+        self, run: RunState, step: int, tool_names: list[str], ban: BanAt | None = None
+    ) -> Iterator[AgentEvent] | Any:  # a generator returning Generated
         """One generation: ``tool_names`` may be called and are shown; none: a text answer."""
         with run.trace.span("prompt_build") as span:
             parts = replace(self._parts(run, tool_names), answer_request=bool(run.executed) and not tool_names)
@@ -222,6 +284,9 @@ class AgentLoop:
             # that offers tools answers under the text branch of the tool grammar.
             grammar = self.grammar_for(self.registry, tool_names, self.call_format) if run.tools_offered else None
         options = run.options
+        # After tool results a step may repeat a call: keep its margins for ``_deviate``.
+        recorder = MarginRecorder(len(prompt)) if tool_names and run.executed else None
+        processors = [processor for processor in (ban, recorder) if processor is not None]
         request = GenerationRequest(
             prompt,
             max_tokens=options.max_tokens,
@@ -230,6 +295,7 @@ class AgentLoop:
             lookup_sources=[ids for _, ids in run.lookup],
             lookup_source_names=[passage_id for passage_id, _ in run.lookup],
             grammar=grammar,
+            logits_processors=processors,
         )
         decoder = IncrementalDecoder(self.tokenizer)
         # With tools, text is streamed once it is known not to be a call; after tool results,
@@ -240,9 +306,11 @@ class AgentLoop:
         with run.trace.span(f"chat {self.model_name}", {"gen_ai.request.model": self.model_name}) as chat:
             cycles = []
             stats: GenerationStats | None = None
+            token_ids: list[int] = []
             for event in self.generate(request):
                 if event.cycle is not None:
                     cycles.append((event.cycle, len(event.token_ids)))
+                token_ids.extend(event.token_ids)
                 piece = decoder.push(event.token_ids)
                 if not streaming and not hold and decoder.text.strip():
                     streaming = not decoder.text.lstrip().startswith(call_opening)
@@ -253,61 +321,7 @@ class AgentLoop:
             assert stats is not None
             record_chat(run.trace, chat, cycles, stats)
         run.stats.append(stats)
-        return decoder.finish(), stats
-
-    def _gate(self, run: RunState, offered: list[str]) -> GateVerdict:
-        """The irrelevance gate's verdict on the first step (``agent/tool_gate.py``)."""
-        options = run.options
-        similarity = probability = None
-        held = False
-        with run.trace.span("tool_gate") as span:
-            if self.relevance is not None and options.min_tool_similarity is not None:
-                schemas = [self.registry.get(name).openai_schema() for name in offered]
-                similarity = self.relevance.similarity(run.question, schemas)
-                held = similarity < options.min_tool_similarity
-            if not held and self.intent_gate and options.min_call_probability is not None:
-                probability = self._call_probability(run, offered)
-                held = probability < options.min_call_probability
-            verdict = GateVerdict(similarity, probability, held)
-            span.set_attributes({key: value for key, value in verdict.record().items() if value is not None})
-        return verdict
-
-    def _call_probability(self, run: RunState, offered: list[str]) -> float:
-        """P(the first step opens a call), from one forward over the first step's own prompt."""
-        prompt = prompt_ids(self.tokenizer, self._parts(run, offered))
-        capture = NextTokenLogits()
-        request = GenerationRequest(prompt, max_tokens=1, speculation="off", logits_processors=[capture])
-        for _ in self.generate(request):
-            pass
-        assert capture.logits is not None
-        return call_probability(capture.logits, call_opening_ids(self.tokenizer, self.call_format.syntax.open.strip()))
-
-    def _probe(self, run: RunState) -> dict[str, Any]:
-        """P(no) of the answerability probe over the first step's prompt, and the gate's verdict."""
-        options = run.options
-        tool_names = self._allowed_tools(options) if options.max_steps > 1 else []
-        with run.trace.span("answerability") as span:
-            parts = self._parts(run, tool_names)
-            prompt = encode_messages(self.tokenizer, probe_messages(parts), tools=parts.template_tools)
-            capture = NextTokenLogits()
-            request = GenerationRequest(prompt, max_tokens=1, speculation="off", logits_processors=[capture])
-            stats = None
-            for event in self.generate(request):
-                stats = event.stats or stats
-            assert capture.logits is not None
-            if self._answer_tokens is None:
-                self._answer_tokens = AnswerTokens.of(self.tokenizer)
-            probability = p_unanswerable(capture.logits, self._answer_tokens)
-            threshold = options.abstain_threshold
-            record = {
-                "p_unanswerable": probability,
-                "threshold": threshold,
-                "abstained": threshold is not None and probability >= threshold,
-                "prompt_tokens": len(prompt),
-                "cached_prompt_tokens": stats.cached_prompt_tokens if stats is not None else 0,
-            }
-            span.set_attributes(record)
-        return record
+        return Generated(decoder.finish(), stats, token_ids, len(prompt), recorder, grammar)
 
     def _attribute(self, run: RunState, answer: str) -> str:
         """The answer citing by post-hoc attribution; the model's own text is kept in the result."""
@@ -369,6 +383,9 @@ class AgentLoop:
         for name in names:
             self.registry.get(name)  # UnknownToolError names it
         return names
+
+    def _spell(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     def _parse_calls(self, text: str) -> list[ToolCall] | None:
         try:

@@ -3,6 +3,7 @@ result document it becomes (the shape of ``POST /v1/agent/runs``)."""
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -43,8 +44,15 @@ class RunOptions:
     # is below this. None: that signal is off. Applies where the loop has the gate's parts.
     min_tool_similarity: float | None = DEFAULT_MIN_TOOL_SIMILARITY
     min_call_probability: float | None = DEFAULT_MIN_CALL_PROBABILITY
+    # A step after tool results whose every call was made before is generated again with
+    # the written token banned where it led the grammar's best alternative by the least
+    # (agent/repeat_deviation.py), at positions whose margin (logits) is at most this; when
+    # no try makes a new grounded call, the next step answers. 0: ties only.
+    max_deviation_margin: float = math.inf
 
     def __post_init__(self) -> None:
+        if not self.max_deviation_margin >= 0.0:
+            raise ValueError(f"max_deviation_margin must be >= 0, not {self.max_deviation_margin}")
         if self.abstain_threshold is not None and not 0.0 <= self.abstain_threshold <= 1.0:
             raise ValueError(f"abstain_threshold must be within [0, 1], not {self.abstain_threshold}")
         if self.citations not in CITATION_MODES:
@@ -68,6 +76,7 @@ class RunState:
     messages: list[dict[str, Any]] = field(default_factory=list)  # this turn's tool calls and results
     executed: dict[str, ToolResult] = field(default_factory=dict)  # canonical call -> its result
     answer_now: bool = False  # every call of a turn was a repeat: the next step may only answer
+    deviations: list[dict[str, Any]] = field(default_factory=list)  # tries to change a repeated call
     tools_offered: bool = False
     gate: GateVerdict | None = None
     stats: list[GenerationStats] = field(default_factory=list)
@@ -100,5 +109,6 @@ class RunState:
             "answerability": self.answerability,
             "tool_gate": self.gate.record() if self.gate is not None else None,
             "attribution": self.attribution,
+            "deviations": self.deviations,
             "trace_id": self.trace.trace_id,
         }

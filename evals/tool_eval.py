@@ -53,6 +53,7 @@ class TaskScore:
     seconds: float
     errors: list[str] = field(default_factory=list)
     tool_gate: dict[str, Any] | None = None  # the irrelevance gate's verdict (agent/tool_gate.py)
+    deviations: list[dict[str, Any]] | None = None  # repeated calls and the way out (agent/repeat_deviation.py)
 
 
 def load_tasks(path: Path = DATASET, split: str = "all") -> list[dict[str, Any]]:
@@ -84,6 +85,7 @@ def score_task(task: dict[str, Any], result: dict[str, Any], seconds: float) -> 
         call_syntax_answer=is_call_syntax(answer),
         seconds=seconds,
         tool_gate=result.get("tool_gate"),
+        deviations=result.get("deviations"),
     )
 
 
@@ -155,6 +157,7 @@ def summarise(scores: list[TaskScore]) -> dict[str, Any]:
             "calls_per_task": sum(len(s.calls) for s in items) / len(items),
             "tasks_with_repeated_calls": sum(s.repeated_calls > 0 for s in items),
             "tasks_with_a_call_executed_twice": sum(s.executed_twice > 0 for s in items),
+            "tasks_with_a_changed_repeat": sum(_changed_repeat(s) for s in items),
             "call_syntax_answers": sum(s.call_syntax_answer for s in items),
             "irrelevance_no_call": _share(irrelevant, lambda s: not s.calls) if irrelevant else None,
             "median_seconds": sorted(s.seconds for s in items)[len(items) // 2],
@@ -176,6 +179,11 @@ def _share(items: list[TaskScore], test: Any) -> float:
     return sum(bool(test(item)) for item in items) / len(items)
 
 
+def _changed_repeat(score: TaskScore) -> bool:
+    """Whether a repeated call was changed into a new one that ran (agent/repeat_deviation.py)."""
+    return any(deviation["outcome"] == "ran" for deviation in score.deviations or [])
+
+
 def markdown(summary: dict[str, Any], config: dict[str, Any]) -> str:
     rows = [
         f"# Tool use: {config['model']}",
@@ -184,9 +192,9 @@ def markdown(summary: dict[str, Any], config: dict[str, Any]) -> str:
         f"max_tokens {config['max_tokens']}, max_steps {config['max_steps']})",
         "",
         "| split | tasks | answer correct | tool selection | arguments | valid arguments | calls/task "
-        "| tasks with a repeated call (not run) | tasks with a call run twice | call-syntax answers "
-        "| irrelevance: no call |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| tasks with a repeated call (not run) | tasks with a repeat changed into a new call "
+        "| tasks with a call run twice | call-syntax answers | irrelevance: no call |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for split in ("held_out", "dev", "all"):
         block = summary[split]
@@ -196,7 +204,8 @@ def markdown(summary: dict[str, Any], config: dict[str, Any]) -> str:
         rows.append(
             f"| {split} | {block['tasks']} | {block['answer_correct']:.0%} | {block['selection_correct']:.0%} "
             f"| {block['arguments_correct']:.0%} | {block['arguments_valid']:.0%} | {block['calls_per_task']:.2f} "
-            f"| {block['tasks_with_repeated_calls']} | {block['tasks_with_a_call_executed_twice']} "
+            f"| {block['tasks_with_repeated_calls']} | {block.get('tasks_with_a_changed_repeat', '-')} "
+            f"| {block['tasks_with_a_call_executed_twice']} "
             f"| {block['call_syntax_answers']} | {irrelevance} |"
         )
     rows += ["", "| category | held-out answer correct | dev answer correct |", "| --- | ---: | ---: |"]

@@ -75,6 +75,10 @@ def test_a_right_run_scores_right_and_a_repeat_that_was_not_run_is_not_a_double_
     score = score_task(TASK, {"steps": steps, "answer": "It is 69.8 °F."}, 1.0)
     assert score.answer_correct and score.selection_correct and score.arguments_correct and score.arguments_valid
     assert score.repeated_calls == 1 and score.executed_twice == 0 and not score.call_syntax_answer
+    assert summarise([score])["all"]["tasks_with_a_changed_repeat"] == 0
+    changed = score_task(TASK, {"steps": steps, "answer": "69.8", "deviations": [{"outcome": "ran"}]}, 1.0)
+    tried = score_task(TASK, {"steps": steps, "answer": "69.8", "deviations": [{"outcome": "ungrounded"}]}, 1.0)
+    assert summarise([changed, tried, score])["all"]["tasks_with_a_changed_repeat"] == 1
 
 
 @pytest.mark.parametrize(
