@@ -49,6 +49,9 @@ ATTENTION_NAME = "specrag_sdpa"
 # the new tokens are a plain causal append to the cache (no tree, no padding), which is
 # what the per-row path assumes.
 ROW_EXACT_KWARG = "specrag_row_exact"
+# The keyword ``decoding/packed.py`` passes its cache under: the new tokens are chunks of
+# several sequences, each attending to its own sequence's keys only.
+PACKED_KWARG = "specrag_packed"
 # Longer appends are prompt prefills, shared by every path: they keep the fast kernel.
 ROW_EXACT_MAX_QUERY = 64
 # Row-exact attention pads each row's keys (masked) to a multiple of this; GrowableLayer's
@@ -204,6 +207,9 @@ def _sdpa_shared_kv_heads(
     if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None or dropout:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     query_len = query.shape[2]
+    if kwargs.get(PACKED_KWARG) is not None:
+        output = _attend_packed(module, query, kwargs[PACKED_KWARG], scaling, bool(kwargs.get(ROW_EXACT_KWARG)))
+        return output.transpose(1, 2).contiguous(), None
     if kwargs.get(ROW_EXACT_KWARG) and query_len <= ROW_EXACT_MAX_QUERY:
         output = _attend_rows_canonically(module, query, key, value, scaling)
         return output.transpose(1, 2).contiguous(), None
@@ -221,6 +227,30 @@ def _sdpa_shared_kv_heads(
         enable_gqa=getattr(module, "num_key_value_groups", 1) > 1,
     )
     return output.transpose(1, 2).contiguous(), None
+
+
+def _attend_packed(
+    module: torch.nn.Module, query: torch.Tensor, packed: Any, scaling: float | None, row_exact: bool
+) -> torch.Tensor:
+    """Each chunk's query rows attend to their own sequence's keys (``decoding/packed.py``),
+    by the call a batch-1 forward of that chunk would make."""
+    outputs = []
+    for (start, end), (key, value) in zip(packed.bounds, packed.layer_kv[module.layer_idx], strict=True):
+        rows = query[:, :, start:end]
+        if row_exact and end - start <= ROW_EXACT_MAX_QUERY:
+            outputs.append(_attend_rows_canonically(module, rows, key, value, scaling))
+            continue
+        hidden = (
+            torch.arange(key.shape[2], device=query.device)[None, :]
+            > torch.arange(key.shape[2] - (end - start), key.shape[2], device=query.device)[:, None]
+        )  # row i sees the keys up to its own position: the sequence's causal rule
+        mask = torch.zeros(hidden.shape, dtype=query.dtype, device=query.device).masked_fill(hidden, float("-inf"))
+        outputs.append(
+            F.scaled_dot_product_attention(
+                rows, key, value, attn_mask=mask[None, None], scale=scaling, enable_gqa=key.shape[1] != rows.shape[1]
+            )
+        )
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
 AttentionInterface.register(ATTENTION_NAME, _sdpa_shared_kv_heads)

@@ -1,0 +1,92 @@
+"""Cost of one engine step over B sequences: B forwards one after another, as
+``Engine.step()`` runs today, against one packed forward (``decoding/packed.py``).
+
+    python -m evals.bench_packed --model smollm2-135m --dtype bfloat16 --dtype float32
+
+For each batch size B and chunk kind (1 token per sequence: plain decode; 9: a γ = 8
+verify), median milliseconds of the sequential forwards and of the packed one, over
+``--repeats``, alternating within each repeat so machine drift hits both alike. Every
+sequence has its own prompt of ``--context`` tokens; the caches are cropped back after
+each measurement. The last column is the speed-up of packing. Run it on an idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from decoding.kv import SequenceKV
+from decoding.model import CausalLM, load_model
+from decoding.packed import Chunk, packed_forward
+
+BATCH_SIZES = (1, 4, 8, 16)
+CHUNK_TOKENS = (1, 9)
+
+
+def _caches(model: CausalLM, count: int, context: int, generator: torch.Generator) -> list[SequenceKV]:
+    caches = []
+    for _ in range(count):
+        kv = model.new_kv()
+        model.prefill(kv, torch.randint(100, 5000, (context,), generator=generator).tolist())
+        caches.append(kv)
+    return caches
+
+
+def measure(model: CausalLM, context: int, repeats: int) -> list[dict[str, float]]:
+    generator = torch.Generator().manual_seed(0)
+    caches = _caches(model, max(BATCH_SIZES), context, generator)
+    rows = []
+    for batch in BATCH_SIZES:
+        for tokens in CHUNK_TOKENS:
+            chunks = [torch.randint(100, 5000, (tokens,), generator=generator).tolist() for _ in range(batch)]
+            sequential, packed = [], []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for kv, chunk in zip(caches, chunks, strict=False):
+                    model.forward(kv, chunk)
+                sequential.append((time.perf_counter() - start) * 1e3)
+                for kv in caches[:batch]:
+                    kv.crop(context)
+                start = time.perf_counter()
+                packed_forward(model, [Chunk(kv, chunk) for kv, chunk in zip(caches, chunks, strict=False)])
+                packed.append((time.perf_counter() - start) * 1e3)
+                for kv in caches[:batch]:
+                    kv.crop(context)
+            rows.append(
+                {
+                    "batch": batch,
+                    "tokens": tokens,
+                    "sequential_ms": statistics.median(sequential),
+                    "packed_ms": statistics.median(packed),
+                }
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", action="append", help="repeatable; default: auto")
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+    print(f"torch threads {torch.get_num_threads()}, context {args.context}, {args.repeats} repeats (medians)")
+    print("| model | dtype | row-exact | sequences | tokens each | B forwards (ms) | one packed (ms) | speed-up |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for dtype in args.dtype or ["auto"]:
+        model = load_model(args.model, dtype=dtype, progress=False)
+        for row in measure(model, args.context, args.repeats):
+            print(
+                f"| {args.model} | {str(model.dtype).removeprefix('torch.')} | {model.row_exact} | {row['batch']} "
+                f"| {row['tokens']} | {row['sequential_ms']:.1f} | {row['packed_ms']:.1f} "
+                f"| {row['sequential_ms'] / row['packed_ms']:.2f}x |",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

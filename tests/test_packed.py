@@ -1,0 +1,88 @@
+"""One forward over several sequences' chunks (decoding/packed.py) gives each chunk the
+logits, and leaves each cache in the state, that forwarding it alone would."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from decoding.model import CausalLM
+from decoding.packed import Chunk, packed_forward
+from tests.conftest import tiny_causal_lm
+
+PROMPTS = [[3, 17, 5, 22, 9, 31, 4], [8, 1], [40, 2, 2, 7, 19, 11, 30, 6, 5, 12, 44]]
+CHUNKS = [[13], [20, 21, 22, 23, 24], [7, 7, 1]]  # a plain step, a verify chain, a short append
+
+
+def prefilled(lm: CausalLM) -> list:
+    caches = []
+    for prompt in PROMPTS:
+        kv = lm.new_kv()
+        lm.forward(kv, prompt)
+        caches.append(kv)
+    return caches
+
+
+@pytest.mark.parametrize(
+    ("dtype", "row_exact"), [(torch.float64, False), (torch.float32, True), (torch.bfloat16, True)]
+)
+def test_each_chunk_gets_the_logits_of_its_own_forward(dtype: torch.dtype, row_exact: bool) -> None:
+    lm = CausalLM(tiny_causal_lm(48, seed=5, dtype=dtype).model, row_exact=row_exact)
+    alone, packed = prefilled(lm), prefilled(lm)
+    expected = [lm.forward(kv, chunk) for kv, chunk in zip(alone, CHUNKS, strict=True)]
+    got = packed_forward(lm, [Chunk(kv, chunk) for kv, chunk in zip(packed, CHUNKS, strict=True)])
+    tolerance = {torch.float64: 1e-12, torch.float32: 1e-4, torch.bfloat16: 0.05}[dtype]  # row-count rounding
+    for want, have in zip(expected, got, strict=True):
+        assert have.shape == want.shape
+        torch.testing.assert_close(have, want, atol=tolerance, rtol=0)
+    # the caches hold the same tokens and keep working: a next step alone agrees too
+    for before, after in zip(alone, packed, strict=True):
+        assert before.token_ids == after.token_ids and after.cached_length() == len(after)
+        torch.testing.assert_close(lm.forward(after, [5]), lm.forward(before, [5]), atol=tolerance, rtol=0)
+
+
+def test_a_rolled_back_sequence_is_packed_from_its_committed_tokens() -> None:
+    lm = CausalLM(tiny_causal_lm(48, seed=5).model)
+    alone, packed = prefilled(lm), prefilled(lm)
+    packed_forward(lm, [Chunk(kv, chunk) for kv, chunk in zip(packed, CHUNKS, strict=True)])
+    packed[1].crop(len(PROMPTS[1]) + 2)  # two of five drafts accepted
+    lm.forward(alone[1], CHUNKS[1][:2])
+    lm.forward(alone[0], CHUNKS[0])
+    got = packed_forward(lm, [Chunk(packed[1], [9, 9]), Chunk(packed[0], [1])])
+    want = [lm.forward(alone[1], [9, 9]), lm.forward(alone[0], [1])]
+    for have, expected in zip(got, want, strict=True):
+        torch.testing.assert_close(have, expected, atol=1e-12, rtol=0)
+
+
+def test_sequences_never_see_each_other() -> None:
+    lm = CausalLM(tiny_causal_lm(48, seed=5).model)
+    first, other = prefilled(lm)[:2]
+    reference = packed_forward(lm, [Chunk(first, [13, 14])])[0]
+    first.crop(len(PROMPTS[0]))
+    beside = packed_forward(lm, [Chunk(other, [33, 34, 35]), Chunk(first, [13, 14])])[1]
+    torch.testing.assert_close(beside, reference, atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="one chunk"):
+        packed_forward(lm, [Chunk(first, [1]), Chunk(first, [2])])
+
+
+def test_where_bf16_is_row_exact_a_packed_step_is_bit_for_bit_the_sequences_alone() -> None:
+    """smollm2 in bfloat16 on a CPU whose bf16 GEMM is row-invariant (the probe of
+    decoding/batch_invariance.py): batching the step changes no bit of any logit, so
+    greedy output cannot depend on the batch. Where the probe fails, row-exact is off."""
+    from decoding.model import load_model
+
+    lm = load_model("smollm2-135m", dtype="bfloat16", progress=False)
+    if not lm.row_exact:
+        pytest.skip("bf16 is not row-exact on this CPU (decoding/batch_invariance.py)")
+    alone, packed = prefilled(lm), prefilled(lm)
+    expected = [lm.forward(kv, chunk) for kv, chunk in zip(alone, CHUNKS, strict=True)]
+    got = packed_forward(lm, [Chunk(kv, chunk) for kv, chunk in zip(packed, CHUNKS, strict=True)])
+    assert all(torch.equal(have, want) for have, want in zip(got, expected, strict=True))
+
+
+def test_the_packed_benchmark_prints_one_row_per_batch_and_chunk(capsys: pytest.CaptureFixture[str]) -> None:
+    from evals.bench_packed import BATCH_SIZES, CHUNK_TOKENS, main
+
+    assert main(["--model", "smollm2-135m", "--dtype", "float32", "--context", "8", "--repeats", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| smollm2-135m |")]
+    assert len(rows) == len(BATCH_SIZES) * len(CHUNK_TOKENS) and all(row.endswith("x |") for row in rows)
