@@ -10,10 +10,11 @@ The rule, over the output the model wrote: at each position, the margin is how f
 token written was ahead of the best other token the grammar allowed there (logits, after
 the request's processors). The position of the smallest margin is where the model was
 least sure; the step is generated again with the written token banned at that position
-only, so the model writes its second choice there and goes on as it would. Positions the
-grammar alone decides (keys, braces) have no margin, and only alternatives that change a
-name or a value count. The ban is a pure function of the prefix (``BanAt``), so
-speculation stays exact while generating again.
+only (with any layout or case variants of it ranked above the alternative), so the model
+writes the alternative there and goes on as it would. Positions the grammar alone decides
+(keys, braces) have no margin, and only alternatives that change a name or a value
+count. The ban is a pure function of the prefix (``BanAt``), so speculation stays exact
+while generating again.
 
 The loop (``agent/loop.py``) runs what comes out only when it is a new call whose values
 are all written in the question, the earlier calls or their results
