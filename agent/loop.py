@@ -268,8 +268,9 @@ class AgentLoop(FirstStepProbes):
             if outcome == "ran" and not all(grounded(call, sources) for call in fresh):
                 outcome = "ungrounded"
             run.deviations.append({"step": step, **asdict(deviation), "outcome": outcome})
-            if outcome in TAKEN:
-                return again
+            if outcome in TAKEN:  # without its spelling variants of earlier calls, if any
+                kept = self.call_format.syntax.separator.join(map(self.call_format.render_call, fresh))
+                return again if len(fresh) == len(calls or []) else replace(again, text=kept)
         return None
 
     def _generate_step(

@@ -25,7 +25,7 @@ from tests.agent_helpers import add
 from tests.conftest import tiny_causal_lm
 from tests.test_grammar import EOS, VOCAB, encode
 from tests.test_tool_formats import hermes_tokenizer, tagged  # noqa: F401  (a fixture)
-from tools import ToolCall, ToolRegistry, ToolResult
+from tools import ToolCall, ToolRegistry, ToolResult, tool
 
 
 def row(vocab: int, **logits: float) -> torch.Tensor:
@@ -159,14 +159,27 @@ class Choosing:
         yield GenerationEvent(0, tokens, True, "stop", stats, cycle)
 
 
-def choosing_loop(tokenizer: Any, replies: list[str | tuple[str, str]]) -> tuple[AgentLoop, list[list[str]]]:
+@tool
+def capital(country: str) -> str:
+    """The capital of a country.
+
+    Args:
+        country: Its name.
+    """
+    return {"kenya": "Nairobi", "chile": "Santiago"}[country.strip().lower()]
+
+
+def choosing_loop(
+    tokenizer: Any, replies: list[str | tuple[str, str]], tools: tuple[Any, ...] = (add,)
+) -> tuple[AgentLoop, list[list[str]]]:
     grammars: list[list[str]] = []
 
     def grammar_for(registry: ToolRegistry, names: list[str], call_format: Any) -> None:
         grammars.append(list(names))
 
     script = Choosing(tokenizer, replies)
-    return AgentLoop(tokenizer, script, ToolRegistry([add]), grammar_for, tracer=Tracer(store=TraceStore())), grammars
+    registry = ToolRegistry(list(tools))
+    return AgentLoop(tokenizer, script, registry, grammar_for, tracer=Tracer(store=TraceStore())), grammars
 
 
 def test_a_repeat_is_generated_again_with_the_cheapest_change_and_the_new_call_runs(
@@ -228,3 +241,16 @@ def test_a_change_that_turns_the_call_into_text_is_not_the_answer(hermes_tokeniz
     result = loop.run("What is 1 + 2?", RunOptions(max_deviation_margin=1.0))
     assert [deviation["outcome"] for deviation in result["deviations"]] == ["text"]
     assert result["answer"] == "It is 3." and grammars == [["add"], ["add"], ["add"], []]
+
+
+def test_a_change_keeps_its_new_call_and_drops_a_spelling_variant_of_an_old_one(
+    hermes_tokenizer: Any,  # noqa: F811
+) -> None:
+    first = tagged(("capital", {"country": "Kenya"}))
+    changed = tagged(("capital", {"country": "Chile"}), ("capital", {"country": " kenya"}))
+    pair = (first, changed)
+    loop, _ = choosing_loop(hermes_tokenizer, [first, pair, pair, "Nairobi and Santiago."], tools=(capital,))
+    result = loop.run("What are the capitals of Kenya and Chile?", RunOptions(max_deviation_margin=1.0))
+    calls = [step for step in result["steps"] if step["kind"] == "tool_call"]
+    assert [step["tool_call"]["arguments"]["country"] for step in calls] == ["Kenya", "Chile"]
+    assert [deviation["outcome"] for deviation in result["deviations"]] == ["ran"]
