@@ -11,6 +11,10 @@ Invariant checked after every cycle in debug mode: target cache == committed tok
 minus the pending one; a model drafter's cache holds a prefix of the committed tokens,
 and it ingests the rest (the corrected or bonus token) before its next proposal.
 
+A ``step()`` over several sequences runs their cycles with one packed target forward
+(``decoding/step_driver.py``) where that changes no logit (row-exact mode); otherwise, and
+in ``generate``, each cycle has its own forward.
+
 The policy (``decoding/policy.py``) decides each cycle's γ; every forward's wall time is
 fed back into its cost model, around the maths, never inside it.
 
@@ -51,6 +55,7 @@ from decoding.request import (
 )
 from decoding.sampling import probs_from_logits, select_token
 from decoding.stats import CycleInfo, GenerationStats
+from decoding.step_driver import Cycle, ForwardNeed, run_alone, run_packed
 
 __all__ = ["Engine", "GenerationEvent", "GenerationRequest"]
 
@@ -88,6 +93,7 @@ class Engine:
         cost_model: CostModel | None = None,
         prefix_cache: PrefixCache | bool = False,
         debug: bool | None = None,
+        pack: bool = True,
     ) -> None:
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise ValueError(
@@ -107,6 +113,12 @@ class Engine:
         self._active: dict[int, _Sequence] = {}
         self._ids = itertools.count()
         self._shared_acceptance: dict[str, policies.AcceptanceEstimate] = {}
+        # A step over several sequences packs their forwards into one (decoding/step_driver.py)
+        # where that changes no logit: in row-exact mode the packed rows are bit-identical to
+        # the forwards alone. A float32 product rounds differently with the row count, and the
+        # text must not depend on which requests share a step, so there they run one by one.
+        self.pack = pack
+        self._packing = False
 
     # -- public API ---------------------------------------------------------------------
 
@@ -171,36 +183,45 @@ class Engine:
     # -- one cycle ------------------------------------------------------------------------
 
     def _step_sequences(self, sequences: list[_Sequence]) -> list[GenerationEvent]:
-        events = []
-        for seq in sequences:
-            committed, cycle = self._timed_advance(seq)
-            finished = seq.finish_reason is not None
-            if finished:
-                seq.stats.finish_reason = seq.finish_reason
-                seq.stats.output_tokens = seq.output_len
-                del self._active[seq.seq_id]
-                self._cache_finished(seq)
-            elif self.debug:
-                self._check_invariants(seq)
-            events.append(
-                GenerationEvent(
-                    seq.seq_id, committed, finished, seq.finish_reason, seq.stats if finished else None, cycle
-                )
-            )
-        return events
+        if self.pack and self.target.row_exact and len(sequences) > 1:
+            marks = [(seq.stats.mark(), seq.prefilled) for seq in sequences]
+            self._packing = True  # one forward's time is no single sequence's cost
+            try:
+                committed = run_packed(self.target, [self._advance(seq) for seq in sequences])
+            finally:
+                self._packing = False
+            cycles = [seq.stats.cycle_since(*mark) for seq, mark in zip(sequences, marks, strict=True)]
+        else:
+            committed, cycles = [], []
+            for seq in sequences:
+                mark, was_prefilled = seq.stats.mark(), seq.prefilled
+                committed.append(run_alone(self.target, self._advance(seq)))
+                cycles.append(seq.stats.cycle_since(mark, was_prefilled))
+        return [
+            self._event(seq, tokens, cycle) for seq, tokens, cycle in zip(sequences, committed, cycles, strict=True)
+        ]
 
-    def _timed_advance(self, seq: _Sequence) -> tuple[list[int], CycleInfo]:
-        mark, was_prefilled = seq.stats.mark(), seq.prefilled
-        committed = self._advance(seq)
-        return committed, seq.stats.cycle_since(mark, was_prefilled)
+    def _event(self, seq: _Sequence, committed: list[int], cycle: CycleInfo) -> GenerationEvent:
+        finished = seq.finish_reason is not None
+        if finished:
+            seq.stats.finish_reason = seq.finish_reason
+            seq.stats.output_tokens = seq.output_len
+            del self._active[seq.seq_id]
+            self._cache_finished(seq)
+        elif self.debug:
+            self._check_invariants(seq)
+        return GenerationEvent(
+            seq.seq_id, committed, finished, seq.finish_reason, seq.stats if finished else None, cycle
+        )
 
-    def _advance(self, seq: _Sequence) -> list[int]:
+    def _advance(self, seq: _Sequence) -> Cycle:
+        """One cycle of ``seq``: a generator yielding the target forward it needs."""
         if not seq.prefilled:
             return self._prefill(seq)
         remaining = seq.request.max_tokens - seq.output_len
         plan = seq.policy.plan(remaining, len(self._active))
         if plan.gamma == 0:
-            return self._plain_step(seq, plan.reason)
+            return (yield from self._plain_step(seq, plan.reason))
         off_reason: str | None = policies.NO_PROPOSAL
         best: tuple[Decision, Drafter, Draft | None] | None = None
         for drafter in seq.drafters:
@@ -212,14 +233,14 @@ class Engine:
             if best is not None and seq.policy.mode != "auto":
                 break  # "on": the first drafter with a proposal, in order of preference
         if best is None:
-            return self._plain_step(seq, off_reason)
+            return (yield from self._plain_step(seq, off_reason))
         choice, drafter, draft = best
         if draft is None:  # a costly drafter is only asked once it has won
             draft = self._propose(seq, drafter, choice.gamma)
             if not draft.tokens:
-                return self._plain_step(seq, policies.NO_PROPOSAL)
+                return (yield from self._plain_step(seq, policies.NO_PROPOSAL))
         seq.stats.probe_cycles += choice.reason == "probe"
-        return self._speculative_step(seq, _truncate(draft, choice.gamma))
+        return (yield from self._speculative_step(seq, _truncate(draft, choice.gamma)))
 
     def _consider(self, seq: _Sequence, drafter: Drafter, cap: int, remaining: int) -> tuple[Decision, Draft | None]:
         """What one drafter would verify this cycle. A free drafter (prompt lookup) proposes
@@ -258,10 +279,10 @@ class Engine:
         self._grammar_accept(seq, token)
         return self._commit(seq, [token])
 
-    def _plain_step(self, seq: _Sequence, off_reason: str | None) -> list[int]:
+    def _plain_step(self, seq: _Sequence, off_reason: str | None) -> Cycle:
         with seq.stats.timed("decode"):
             start = time.perf_counter()
-            logits = self.target.forward(seq.kv, seq.tokens[-1:], last_only=True)[-1]
+            logits = (yield ForwardNeed(seq.kv, seq.tokens[-1:], last_only=True))[-1]
             self._observe_forward(1, start)
             logits = apply_processors(seq.request.logits_processors, seq.tokens, logits)
         logits = self._mask_next(seq, logits)
@@ -273,18 +294,18 @@ class Engine:
             drafter.on_commit([token], 0)
         return self._commit(seq, [token])
 
-    def _speculative_step(self, seq: _Sequence, draft: Draft) -> list[int]:
+    def _speculative_step(self, seq: _Sequence, draft: Draft) -> Cycle:
         bitmask = None
         if seq.grammar is not None:  # candidates after the first ungrammatical one are never verified
             with seq.stats.timed("grammar"):
                 valid_len, bitmask = seq.grammar.advance_chain(draft.tokens)
             draft = _truncate(draft, valid_len)
             if not draft.tokens:
-                return self._plain_step(seq, policies.GRAMMAR_REJECTED)
+                return (yield from self._plain_step(seq, policies.GRAMMAR_REJECTED))
         kept_before = len(seq.kv)
         with seq.stats.timed("verify"):
             start = time.perf_counter()
-            target_logits = self.target.forward(seq.kv, [seq.tokens[-1], *draft.tokens])
+            target_logits = yield ForwardNeed(seq.kv, [seq.tokens[-1], *draft.tokens])
             self._observe_forward(len(draft.tokens) + 1, start)
         seq.stats.target_calls += 1
         processors = seq.request.logits_processors
@@ -365,7 +386,7 @@ class Engine:
                 seq.grammar.accept(token)
 
     def _observe_forward(self, tokens: int, start: float) -> None:
-        if self.cost_model is not None:
+        if self.cost_model is not None and not self._packing:
             self.cost_model.observe_forward(tokens, time.perf_counter() - start)
 
     # -- set-up and checks --------------------------------------------------------------

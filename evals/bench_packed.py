@@ -7,7 +7,10 @@ For each batch size B and chunk kind (1 token per sequence: plain decode; 9: a Î
 verify), median milliseconds of the sequential forwards and of the packed one, over
 ``--repeats``, alternating within each repeat so machine drift hits both alike. Every
 sequence has its own prompt of ``--context`` tokens; the caches are cropped back after
-each measurement. The last column is the speed-up of packing. Run it on an idle machine.
+each measurement. The last column is the speed-up of packing. With ``--engine``, also the
+aggregate tok/s of ``Engine.step()`` over 1, 4 and 8 greedy requests (64-token prompts,
+32 new tokens, speculation off) with ``pack`` on and off; the engine packs only in
+row-exact mode, so in float32 both columns are the same path. Run it on an idle machine.
 """
 
 from __future__ import annotations
@@ -66,12 +69,34 @@ def measure(model: CausalLM, context: int, repeats: int) -> list[dict[str, float
     return rows
 
 
+def engine_rates(model: CausalLM, batch: int, max_tokens: int, repeats: int) -> dict[bool, float]:
+    """Aggregate tok/s of ``Engine.step()`` over ``batch`` greedy requests (speculation off),
+    packed and not, alternating; medians over ``repeats``."""
+    from decoding.engine import Engine
+    from decoding.request import GenerationRequest
+
+    generator = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(100, 5000, (64,), generator=generator).tolist() for _ in range(batch)]
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(repeats):
+        for pack in (False, True):
+            engine = Engine(model, pack=pack)
+            for prompt in prompts:
+                engine.add(GenerationRequest(prompt, max_tokens=max_tokens, speculation="off", stop_token_ids=[]))
+            start, tokens = time.perf_counter(), 0
+            while engine.has_unfinished():
+                tokens += sum(len(event.token_ids) for event in engine.step())
+            rates[pack].append(tokens / (time.perf_counter() - start))
+    return {pack: statistics.median(values) for pack, values in rates.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", action="append", help="repeatable; default: auto")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--engine", action="store_true", help="also: Engine.step() tok/s, packed and not")
     args = parser.parse_args(argv)
     print(f"torch threads {torch.get_num_threads()}, context {args.context}, {args.repeats} repeats (medians)")
     print("| model | dtype | row-exact | sequences | tokens each | B forwards (ms) | one packed (ms) | speed-up |")
@@ -85,6 +110,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {row['sequential_ms'] / row['packed_ms']:.2f}x |",
                 flush=True,
             )
+        if args.engine:
+            print("| model | dtype | requests | tok/s one by one | tok/s packed | speed-up |")
+            print("| --- | --- | ---: | ---: | ---: | ---: |")
+            for batch in (1, 4, 8):
+                rates = engine_rates(model, batch, 32, max(1, args.repeats // 2))
+                print(
+                    f"| {args.model} | {str(model.dtype).removeprefix('torch.')} | {batch} | {rates[False]:.1f} "
+                    f"| {rates[True]:.1f} | {rates[True] / rates[False]:.2f}x |",
+                    flush=True,
+                )
     return 0
 
 

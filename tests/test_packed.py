@@ -86,3 +86,55 @@ def test_the_packed_benchmark_prints_one_row_per_batch_and_chunk(capsys: pytest.
     assert main(["--model", "smollm2-135m", "--dtype", "float32", "--context", "8", "--repeats", "1"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| smollm2-135m |")]
     assert len(rows) == len(BATCH_SIZES) * len(CHUNK_TOKENS) and all(row.endswith("x |") for row in rows)
+
+
+def test_an_engine_step_over_many_sequences_is_one_packed_forward_and_changes_no_output(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Packed where packing is exact (row-exact mode, here forced on a float64 model whose
+    rows agree to rounding): greedy and seeded sampled, speculative and plain, every
+    output equals the sequence's run alone."""
+    from decoding import step_driver
+    from decoding.engine import Engine
+    from decoding.request import GenerationRequest
+    from decoding.sampling import SamplingParams
+
+    target = tiny_causal_lm(48, seed=0)
+    target.row_exact = True
+    calls: list[int] = []
+    real = step_driver.packed_forward
+
+    def counted(lm: CausalLM, chunks: list[Chunk]) -> list[torch.Tensor]:
+        calls.append(len(chunks))
+        return real(lm, chunks)
+
+    monkeypatch.setattr(step_driver, "packed_forward", counted)
+    prompts = [[(7 * seed + 3 * i) % 48 for i in range(10 + 3 * seed)] * 2 for seed in range(4)]
+    requests = [
+        GenerationRequest(
+            prompt,
+            max_tokens=12,
+            stop_token_ids=[],
+            speculation=["on", "off"][index % 2],
+            lookup_sources=[prompt[::-1]],
+            sampling=SamplingParams(temperature=0.8, seed=11) if index == 3 else SamplingParams(),
+        )
+        for index, prompt in enumerate(prompts)
+    ]
+    engine = Engine(target, debug=True, min_ngram=1)
+    ids = [engine.add(request) for request in requests]
+    outputs: dict[int, list[int]] = {seq_id: [] for seq_id in ids}
+    while engine.has_unfinished():
+        for event in engine.step():
+            outputs[event.seq_id] += event.token_ids
+    assert calls and max(calls) == len(requests)  # one forward for all four, while all ran
+    for seq_id, request in zip(ids, requests, strict=True):
+        alone = Engine(target, debug=True, min_ngram=1)
+        assert outputs[seq_id] == [token for event in alone.generate(request) for token in event.token_ids]
+    engine = Engine(target, debug=True, pack=False)
+    calls.clear()
+    for request in requests:
+        engine.add(request)
+    while engine.has_unfinished():
+        engine.step()
+    assert not calls  # pack=False: one forward per sequence, as before
