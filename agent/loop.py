@@ -63,6 +63,7 @@ from agent.run_state import RunOptions, RunState
 from agent.stream import IncrementalDecoder
 from agent.tool_gate import ToolRelevance
 from agent.trace import Tracer
+from decoding.grammar import Grammar
 from decoding.request import GenerationEvent, GenerationRequest
 from decoding.sampling import SamplingParams
 from decoding.stats import GenerationStats
@@ -97,7 +98,7 @@ class Generated:
     token_ids: list[int]
     prompt_length: int
     recorder: MarginRecorder | None
-    grammar: Any
+    grammar: Grammar | None
 
 
 class AgentLoop(FirstStepProbes):

@@ -25,12 +25,9 @@ class FirstStepProbes:
     relevance: ToolRelevance | None
     intent_gate: bool
     _answer_tokens: AnswerTokens | None
-
-    def _parts(self, run: RunState, tool_names: list[str]) -> PromptParts:
-        raise NotImplementedError
-
-    def _allowed_tools(self, options: RunOptions) -> list[str]:
-        raise NotImplementedError
+    # AgentLoop's own methods, which the probes build their prompts with
+    _parts: Callable[[RunState, list[str]], PromptParts]
+    _allowed_tools: Callable[[RunOptions], list[str]]
 
     def _gate(self, run: RunState, offered: list[str]) -> GateVerdict:
         """The irrelevance gate's verdict on the first step (``agent/tool_gate.py``)."""
