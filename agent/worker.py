@@ -126,8 +126,8 @@ class EngineWorker:
 
     def _step(self) -> None:
         try:
-            events = self.engine.step()
-        except Exception as error:  # never leave a caller waiting forever
+            events = self.engine.step()  # a sequence that fails alone comes back as its event's error
+        except Exception as error:  # the step itself failed: never leave a caller waiting forever
             for handle in list(self._running.values()):
                 handle.events.put(error)
                 self._drop(handle)
@@ -136,7 +136,7 @@ class EngineWorker:
             handle = self._running.get(event.seq_id)
             if handle is None:
                 continue
-            handle.events.put(event)
+            handle.events.put(event.error if event.error is not None else event)
             if event.finished:
                 del self._running[event.seq_id]
                 self._release(handle)

@@ -1,19 +1,26 @@
 """The decoding engine: many sequences, one ``step()`` that advances each by one cycle.
 
-A cycle is a prefill (the first), a plain decode step, or a draft-verify-accept cycle.
+A cycle is a prefill chunk, a plain decode step, or a draft-verify-accept cycle.
 State of a sequence between cycles: its target KV cache holds every committed token but
 the newest (the *pending* token), whose KV is computed by the next forward together
 with that cycle's candidates. So a verify forward is ``[pending, d1..dγ]`` and yields
 the γ+1 rows the acceptance rule needs, and a plain step is ``[pending]``: both paths
 run the same model calls, and ``speculation="off"`` is the baseline through this code.
 
-Invariant checked after every cycle in debug mode: target cache == committed tokens
-minus the pending one; a model drafter's cache holds a prefix of the committed tokens,
-and it ingests the rest (the corrected or bonus token) before its next proposal.
+Invariant checked after every cycle in debug mode (``decoding/sequence.py``): target
+cache == committed tokens minus the pending one; a model drafter's cache holds a prefix of
+the committed tokens, and it ingests the rest (the corrected or bonus token) before its
+next proposal.
 
-A ``step()`` over several sequences runs their cycles with one packed target forward
-(``decoding/step_driver.py``) where that changes no logit (row-exact mode); otherwise, and
-in ``generate``, each cycle has its own forward.
+A ``step()`` schedules under a token budget (``max_num_batched_tokens``): every running
+sequence's decode or verify cycle first, then prefill chunks of waiting sequences (the
+oldest always gets one, more while the budget lasts), so a long prompt is spread over
+steps and never stalls the others for more than one chunk. Prefill chunks end on fixed
+positions (``model.prompt_chunk_end``) and prompt rows are attended in aligned blocks, so
+how a prompt is cut never changes its bits in row-exact mode. The step's cycles share one
+packed target forward (``decoding/step_driver.py``) where that changes no logit (row-exact
+mode); otherwise each cycle has its own forward. A cycle that raises finishes its own
+sequence with an error event; the others go on.
 
 The policy (``decoding/policy.py``) decides each cycle's γ; every forward's wall time is
 fed back into its cost model, around the maths, never inside it.
@@ -25,26 +32,23 @@ sequence leaves its blocks behind for follow-up turns.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 import secrets
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
 from decoding import policy as policies
 from decoding.acceptance import greedy_accept, speculative_accept
-from decoding.drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
+from decoding.drafters import Draft, Drafter, ModelDrafter
 from decoding.drafters.model_drafter import SOURCE as MODEL_SOURCE
 from decoding.forward_timer import ForwardTimer
-from decoding.grammar import GrammarForcedDrafter, GrammarState, mask_logits
-from decoding.kv import SequenceKV
-from decoding.model import CausalLM
+from decoding.grammar import GrammarState, mask_logits
+from decoding.model import PREFILL_CHUNK_TOKENS, CausalLM, prompt_chunk_end
 from decoding.policy import CostModel, Decision, PolicyConfig, RequestPolicy
-from decoding.prefix_cache import PrefixCache, prefill_cached, prefix_caches_for
+from decoding.prefix_cache import PrefixCache, prefix_caches_for, restore, supports_prefix_cache
 from decoding.request import (
     DrafterKind,
     GenerationEvent,
@@ -54,30 +58,11 @@ from decoding.request import (
     validate,
 )
 from decoding.sampling import probs_from_logits, select_token
-from decoding.stats import CycleInfo, GenerationStats
-from decoding.step_driver import Cycle, ForwardNeed, run_alone, run_packed
+from decoding.sequence import SequenceState, make_drafters
+from decoding.stats import CycleInfo, GenerationStats, StatsMark
+from decoding.step_driver import Cycle, CycleResult, ForwardNeed, StepBatch
 
 __all__ = ["Engine", "GenerationEvent", "GenerationRequest"]
-
-
-@dataclass
-class _Sequence:
-    seq_id: int
-    request: GenerationRequest
-    tokens: list[int]
-    kv: SequenceKV
-    drafters: list[Drafter]  # in order of preference: free ones (prompt lookup) first
-    policy: RequestPolicy
-    generator: torch.Generator
-    stop_ids: frozenset[int]
-    stats: GenerationStats
-    grammar: GrammarState | None = None
-    prefilled: bool = False
-    finish_reason: str | None = None
-
-    @property
-    def output_len(self) -> int:
-        return len(self.tokens) - self.stats.prompt_tokens
 
 
 class Engine:
@@ -94,6 +79,7 @@ class Engine:
         prefix_cache: PrefixCache | bool = False,
         debug: bool | None = None,
         pack: bool = True,
+        max_num_batched_tokens: int = 2 * PREFILL_CHUNK_TOKENS,
     ) -> None:
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise ValueError(
@@ -110,7 +96,7 @@ class Engine:
         self.debug = debug if debug is not None else os.environ.get("SPECRAG_DEBUG") == "1"
         self.prefix_cache, self.draft_prefix_cache = prefix_caches_for(prefix_cache, target, draft)
         self._eos_ids = frozenset(target.eos_token_ids())
-        self._active: dict[int, _Sequence] = {}
+        self._active: dict[int, SequenceState] = {}
         self._ids = itertools.count()
         self._shared_acceptance: dict[str, policies.AcceptanceEstimate] = {}
         # A step over several sequences packs their forwards into one (decoding/step_driver.py)
@@ -119,6 +105,9 @@ class Engine:
         # text must not depend on which requests share a step, so there they run one by one.
         self.pack = pack
         self._packing = False
+        # Tokens one step forwards beyond which no further prefill chunk is admitted (vLLM's
+        # max_num_batched_tokens); decode and verify tokens are scheduled first and never cut.
+        self.max_num_batched_tokens = max_num_batched_tokens
 
     # -- public API ---------------------------------------------------------------------
 
@@ -140,12 +129,20 @@ class Engine:
             shared=self._shared_acceptance,
         )
         grammar = GrammarState(request.grammar, stop_ids, self.target.vocab_size) if request.grammar else None
-        self._active[seq_id] = _Sequence(
+        self._active[seq_id] = SequenceState(
             seq_id=seq_id,
             request=request,
             tokens=list(request.prompt_tokens),
             kv=self.target.new_kv(),
-            drafters=self._make_drafters(request, drafter_kind, generator, grammar),
+            drafters=make_drafters(
+                request,
+                drafter_kind,
+                generator,
+                grammar,
+                ngram=(self.min_ngram, self.max_ngram),
+                draft=self.draft,
+                draft_prefix_cache=self.draft_prefix_cache,
+            ),
             policy=request_policy,
             generator=generator,
             stop_ids=stop_ids,
@@ -182,42 +179,60 @@ class Engine:
 
     # -- one cycle ------------------------------------------------------------------------
 
-    def _step_sequences(self, sequences: list[_Sequence]) -> list[GenerationEvent]:
-        if self.pack and self.target.row_exact and len(sequences) > 1:
-            marks = [(seq.stats.mark(), seq.prefilled) for seq in sequences]
-            self._packing = True  # one forward's time is no single sequence's cost
-            try:
-                committed = run_packed(self.target, [self._advance(seq) for seq in sequences])
-            finally:
-                self._packing = False
-            cycles = [seq.stats.cycle_since(*mark) for seq, mark in zip(sequences, marks, strict=True)]
-        else:
-            committed, cycles = [], []
-            for seq in sequences:
-                mark, was_prefilled = seq.stats.mark(), seq.prefilled
-                committed.append(run_alone(self.target, self._advance(seq)))
-                cycles.append(seq.stats.cycle_since(mark, was_prefilled))
-        return [
-            self._event(seq, tokens, cycle) for seq, tokens, cycle in zip(sequences, committed, cycles, strict=True)
-        ]
+    def _step_sequences(self, sequences: list[SequenceState]) -> list[GenerationEvent]:
+        pack = self.pack and self.target.row_exact and len(sequences) > 1
+        batch = StepBatch(self.target, pack)
+        scheduled: list[tuple[SequenceState, StatsMark, bool]] = []
+        self._packing = pack  # one forward's time is no single sequence's cost
+        try:
+            for seq in sequences:  # decode and verify tokens first
+                if seq.prefilled:
+                    scheduled.append((seq, seq.stats.mark(), True))
+                    batch.add(self._advance(seq))
+            admitted_prefill = False
+            for seq in sequences:  # then prompt chunks, the oldest waiting always
+                if seq.prefilled:
+                    continue
+                end = self._next_prompt_chunk_end(seq)
+                if admitted_prefill and batch.tokens + end - len(seq.kv) > self.max_num_batched_tokens:
+                    break
+                admitted_prefill = True
+                scheduled.append((seq, seq.stats.mark(), False))
+                batch.add(self._prefill_chunk(seq, end))
+            results = batch.run()
+        finally:
+            self._packing = False
+        events = []
+        for (seq, mark, was_prefilled), result in zip(scheduled, results, strict=True):
+            cycle = seq.stats.cycle_since(mark, was_prefilled)
+            if result.error is not None or result.tokens or seq.finish_reason is not None:
+                events.append(self._event(seq, result, cycle))
+        return events
 
-    def _event(self, seq: _Sequence, committed: list[int], cycle: CycleInfo) -> GenerationEvent:
+    def _event(self, seq: SequenceState, result: CycleResult, cycle: CycleInfo) -> GenerationEvent:
+        if result.error is not None:
+            seq.finish_reason = "error"
         finished = seq.finish_reason is not None
         if finished:
             seq.stats.finish_reason = seq.finish_reason
             seq.stats.output_tokens = seq.output_len
             del self._active[seq.seq_id]
-            self._cache_finished(seq)
+            if result.error is None:
+                self._cache_finished(seq)
         elif self.debug:
-            self._check_invariants(seq)
+            seq.check_invariants()
         return GenerationEvent(
-            seq.seq_id, committed, finished, seq.finish_reason, seq.stats if finished else None, cycle
+            seq.seq_id,
+            result.tokens,
+            finished,
+            seq.finish_reason,
+            seq.stats if finished else None,
+            cycle,
+            result.error,
         )
 
-    def _advance(self, seq: _Sequence) -> Cycle:
-        """One cycle of ``seq``: a generator yielding the target forward it needs."""
-        if not seq.prefilled:
-            return self._prefill(seq)
+    def _advance(self, seq: SequenceState) -> Cycle:
+        """One decode cycle of ``seq``: a generator yielding the target forward it needs."""
         remaining = seq.request.max_tokens - seq.output_len
         plan = seq.policy.plan(remaining, len(self._active))
         if plan.gamma == 0:
@@ -242,7 +257,9 @@ class Engine:
         seq.stats.probe_cycles += choice.reason == "probe"
         return (yield from self._speculative_step(seq, _truncate(draft, choice.gamma)))
 
-    def _consider(self, seq: _Sequence, drafter: Drafter, cap: int, remaining: int) -> tuple[Decision, Draft | None]:
+    def _consider(
+        self, seq: SequenceState, drafter: Drafter, cap: int, remaining: int
+    ) -> tuple[Decision, Draft | None]:
         """What one drafter would verify this cycle. A free drafter (prompt lookup) proposes
         right away; a costly one (a model) is judged on its estimates before drafting."""
         if isinstance(drafter, ModelDrafter):
@@ -260,7 +277,7 @@ class Engine:
             return Decision(0, policies.NO_PROPOSAL), None
         return seq.policy.for_draft(draft.source, len(draft.tokens), draft.match_ngram), draft
 
-    def _propose(self, seq: _Sequence, drafter: Drafter, gamma: int) -> Draft:
+    def _propose(self, seq: SequenceState, drafter: Drafter, gamma: int) -> Draft:
         with seq.stats.timed("draft"):
             start = time.perf_counter()
             draft = drafter.propose(seq.tokens, gamma)
@@ -268,18 +285,37 @@ class Engine:
                 self.cost_model.observe_draft_token((time.perf_counter() - start) / len(draft.tokens))
         return draft
 
-    def _prefill(self, seq: _Sequence) -> list[int]:
+    def _next_prompt_chunk_end(self, seq: SequenceState) -> int:
+        """Where ``seq``'s next prefill chunk ends; the first call restores the longest
+        cached prefix of its prompt (a hit ends on a block boundary, so on a chunk's)."""
+        if not seq.restored:
+            seq.restored = True
+            if self.prefix_cache is not None and supports_prefix_cache(seq.kv):
+                with seq.stats.timed("prefill"):
+                    cached_len, segment = self.prefix_cache.lookup(seq.tokens[:-1])
+                    if segment is not None:
+                        restore(seq.kv, seq.tokens, segment)
+                seq.stats.cached_prompt_tokens = cached_len
+        return prompt_chunk_end(len(seq.kv), len(seq.tokens))
+
+    def _prefill_chunk(self, seq: SequenceState, end: int) -> Cycle:
+        """Prompt rows up to ``end``; the last chunk's logits give the first token."""
         with seq.stats.timed("prefill"):
-            logits, seq.stats.cached_prompt_tokens = prefill_cached(self.target, seq.kv, seq.tokens, self.prefix_cache)
+            chunk = seq.tokens[len(seq.kv) : end]
+            logits = (yield ForwardNeed(seq.kv, chunk, last_only=True, prompt=True))[-1]
+            seq.stats.target_calls += 1
+            if end < len(seq.tokens):
+                return []
+            if self.prefix_cache is not None and supports_prefix_cache(seq.kv):
+                self.prefix_cache.insert(seq.kv)  # the next request sharing the prompt hits
             logits = apply_processors(seq.request.logits_processors, seq.tokens, logits)
         logits = self._mask_next(seq, logits)
-        seq.stats.target_calls += 1
         seq.prefilled = True
         token = select_token(logits, seq.request.sampling, seq.generator)
         self._grammar_accept(seq, token)
-        return self._commit(seq, [token])
+        return seq.commit([token])
 
-    def _plain_step(self, seq: _Sequence, off_reason: str | None) -> Cycle:
+    def _plain_step(self, seq: SequenceState, off_reason: str | None) -> Cycle:
         with seq.stats.timed("decode"):
             start = time.perf_counter()
             logits = (yield ForwardNeed(seq.kv, seq.tokens[-1:], last_only=True))[-1]
@@ -292,9 +328,9 @@ class Engine:
         seq.stats.record_plain(off_reason)
         for drafter in seq.drafters:
             drafter.on_commit([token], 0)
-        return self._commit(seq, [token])
+        return seq.commit([token])
 
-    def _speculative_step(self, seq: _Sequence, draft: Draft) -> Cycle:
+    def _speculative_step(self, seq: SequenceState, draft: Draft) -> Cycle:
         bitmask = None
         if seq.grammar is not None:  # candidates after the first ungrammatical one are never verified
             with seq.stats.timed("grammar"):
@@ -330,9 +366,9 @@ class Engine:
                 drafter.on_commit(committed, accepted_len)
         seq.policy.observe(draft.source, len(draft.tokens), accepted_len, draft.match_ngram)
         seq.stats.record_verify(len(draft.tokens), accepted_len, draft.source)
-        return self._commit(seq, committed)
+        return seq.commit(committed)
 
-    def _accept(self, seq: _Sequence, draft: Draft, target_logits: torch.Tensor) -> tuple[int, list[int]]:
+    def _accept(self, seq: SequenceState, draft: Draft, target_logits: torch.Tensor) -> tuple[int, list[int]]:
         draft_tokens = torch.tensor(draft.tokens, dtype=torch.long)
         sampling = seq.request.sampling
         if sampling.greedy:
@@ -346,41 +382,13 @@ class Engine:
             accepted_len, committed = speculative_accept(draft_tokens, draft_probs, target_probs, seq.generator)
         return accepted_len, committed.tolist()
 
-    def _commit(self, seq: _Sequence, committed: list[int]) -> list[int]:
-        """Append tokens one by one; a stop or the length limit truncates the rest."""
-        emitted = []
-        request = seq.request
-        for token in committed:
-            seq.tokens.append(token)
-            emitted.append(token)
-            if token in seq.stop_ids:
-                seq.finish_reason = "stop"
-            elif self._ends_with_stop_sequence(seq):
-                seq.finish_reason = "stop"
-                if seq.grammar is not None:  # judged at the stop, not after the whole commit
-                    seq.grammar.rewind_to(seq.output_len)
-                    if not seq.grammar.is_completed():  # an unfinished document is not complete
-                        seq.finish_reason = "length"
-            elif seq.output_len >= request.max_tokens:
-                seq.finish_reason = "length"
-            if seq.finish_reason:
-                break
-        return emitted
-
-    def _ends_with_stop_sequence(self, seq: _Sequence) -> bool:
-        output_len = seq.output_len
-        for stop in seq.request.stop_sequences:
-            if len(stop) <= output_len and seq.tokens[-len(stop) :] == list(stop):
-                return True
-        return False
-
-    def _mask_next(self, seq: _Sequence, logits: torch.Tensor) -> torch.Tensor:
+    def _mask_next(self, seq: SequenceState, logits: torch.Tensor) -> torch.Tensor:
         if seq.grammar is None:
             return logits
         with seq.stats.timed("grammar"):
             return mask_logits(logits, seq.grammar.next_bitmask()[0])
 
-    def _grammar_accept(self, seq: _Sequence, token: int) -> None:
+    def _grammar_accept(self, seq: SequenceState, token: int) -> None:
         if seq.grammar is not None:
             with seq.stats.timed("grammar"):
                 seq.grammar.accept(token)
@@ -391,32 +399,7 @@ class Engine:
 
     # -- set-up and checks --------------------------------------------------------------
 
-    def _make_drafters(
-        self, request: GenerationRequest, kind: DrafterKind, generator: torch.Generator, grammar: GrammarState | None
-    ) -> list[Drafter]:
-        if request.speculation == "off":
-            return []
-        drafters: list[Drafter] = [GrammarForcedDrafter(grammar)] if grammar is not None else []
-        if kind in ("lookup", "both"):
-            drafters.append(
-                PromptLookupDrafter(
-                    request.prompt_tokens,
-                    request.lookup_sources,
-                    passage_names=request.lookup_source_names,
-                    min_ngram=self.min_ngram,
-                    max_ngram=self.max_ngram,
-                )
-            )
-        if kind in ("model", "both"):
-            assert self.draft is not None
-            processors = list(request.logits_processors)
-            if grammar is not None:  # q is masked along the draft exactly as p is along the chain
-                processors.append(grammar.draft_processor(len(request.prompt_tokens)))
-            processor = functools.partial(apply_processors, processors) if processors else None
-            drafters.append(ModelDrafter(self.draft, request.sampling, generator, processor, self.draft_prefix_cache))
-        return drafters
-
-    def _cache_finished(self, seq: _Sequence) -> None:
+    def _cache_finished(self, seq: SequenceState) -> None:
         """Keep the finished conversation's blocks: a follow-up turn extends it."""
         if self.prefix_cache is not None:
             self.prefix_cache.insert(seq.kv)
@@ -424,17 +407,6 @@ class Engine:
             for drafter in seq.drafters:
                 if isinstance(drafter, ModelDrafter):
                     self.draft_prefix_cache.insert(drafter.kv)
-
-    def _check_invariants(self, seq: _Sequence) -> None:
-        committed_but_pending = seq.tokens[:-1]
-        if seq.kv.token_ids != committed_but_pending or seq.kv.cached_length() != len(committed_but_pending):
-            raise AssertionError(
-                f"seq {seq.seq_id}: target cache holds {len(seq.kv)} ids / {seq.kv.cached_length()} positions, "
-                f"expected the {len(committed_but_pending)} committed tokens before the pending one"
-            )
-        for drafter in seq.drafters:
-            if isinstance(drafter, ModelDrafter) and not drafter.cache_matches(seq.tokens):
-                raise AssertionError(f"seq {seq.seq_id}: draft cache is not a prefix of the committed tokens")
 
 
 def _truncate(draft: Draft, gamma: int) -> Draft:

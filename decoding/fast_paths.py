@@ -59,6 +59,10 @@ ROW_EXACT_MAX_QUERY = 64
 ROW_EXACT_KEY_BUCKET = 32
 # ... and attends query rows in blocks of exactly this many (a step is one row of a block).
 ROW_EXACT_QUERY_BLOCK = 16
+# Prompt rows are attended in blocks aligned to multiples of this many positions (the
+# prefix cache's block size), each over exactly the keys up to its block's end, so a
+# prompt row gets the same bits however the prompt is cut into prefill chunks.
+PREFILL_BLOCK = 32
 
 
 class SkinnyLinear(torch.nn.Linear):
@@ -229,14 +233,51 @@ def _sdpa_shared_kv_heads(
     return output.transpose(1, 2).contiguous(), None
 
 
+def attend_prompt_blocks(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    """Causal attention for the last q of L positions, as prompt rows: one call per block
+    of positions aligned to ``PREFILL_BLOCK``, over the keys up to that block's end.
+
+    A row's call then depends on its position alone, never on where its prefill chunk
+    began or ended, so a prompt prefilled in chunks, or after a prefix-cache hit (hits end
+    on block boundaries), gets the bits of a whole prefill. Measured on the AVX512-BF16
+    EPYC, 9 heads, 3 KV heads, head dim 64 (one layer): 15.1 ms against 15.0 ms for one
+    causal call at 1k positions, 54.9 against 47.3 at 2k, 219 against 159 at 4k.
+    """
+    query_len, total = query.shape[2], key.shape[2]
+    outputs = []
+    row = total - query_len
+    while row < total:
+        end = min(total, (row // PREFILL_BLOCK + 1) * PREFILL_BLOCK)
+        hidden = torch.arange(end, device=query.device)[None, :] > torch.arange(row, end, device=query.device)[:, None]
+        mask = torch.zeros(hidden.shape, dtype=query.dtype, device=query.device).masked_fill(hidden, float("-inf"))
+        outputs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, row - total + query_len : end - total + query_len],
+                key[:, :, :end],
+                value[:, :, :end],
+                attn_mask=mask[None, None],
+                scale=scaling,
+                enable_gqa=key.shape[1] != query.shape[1],
+            )
+        )
+        row = end
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
 def _attend_packed(
     module: torch.nn.Module, query: torch.Tensor, packed: Any, scaling: float | None, row_exact: bool
 ) -> torch.Tensor:
-    """Each chunk's query rows attend to their own sequence's keys (``decoding/packed.py``),
-    by the call a batch-1 forward of that chunk would make."""
+    """Each chunk's query rows attend to their own sequence's keys (``decoding/packed.py``):
+    prompt rows in aligned blocks, other rows by the call a batch-1 forward would make."""
     outputs = []
-    for (start, end), (key, value) in zip(packed.bounds, packed.layer_kv[module.layer_idx], strict=True):
+    layer_kv = packed.layer_kv[module.layer_idx]
+    for chunk, (start, end), (key, value) in zip(packed.chunks, packed.bounds, layer_kv, strict=True):
         rows = query[:, :, start:end]
+        if chunk.prompt:
+            outputs.append(attend_prompt_blocks(rows, key, value, scaling))
+            continue
         if row_exact and end - start <= ROW_EXACT_MAX_QUERY:
             outputs.append(_attend_rows_canonically(module, rows, key, value, scaling))
             continue

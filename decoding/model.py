@@ -17,15 +17,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from decoding import dtype_choice, packs
-from decoding.fast_paths import ROW_EXACT_KWARG, install_fast_paths
+from decoding.fast_paths import ROW_EXACT_KWARG, install_fast_paths, uses_specrag_attention
 from decoding.kv import SequenceKV
 
 if TYPE_CHECKING:
     from decoding.grammar_compile import GrammarCompiler
 
-# Prompts longer than this are prefilled in chunks, so a long prompt never needs one
-# giant activation tensor.
-PREFILL_CHUNK_TOKENS = 1024
+# Prompts are prefilled in chunks that end on multiples of this many positions: a long
+# prompt never needs one giant activation tensor, the engine spreads it over steps
+# (one chunk a step, beside the other sequences' tokens), and a chunk is the same rows
+# whether the engine or ``CausalLM.prefill`` cuts it. A multiple of the prefix cache's
+# and the prompt attention's block (32).
+PREFILL_CHUNK_TOKENS = 256
+
+
+def prompt_chunk_end(start: int, total: int, chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> int:
+    """Where the prefill chunk that starts at position ``start`` of ``total`` ends."""
+    return min(total, (start // chunk_tokens + 1) * chunk_tokens)
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -95,6 +103,11 @@ class CausalLM:
         return next(self.model.parameters()).dtype
 
     @property
+    def packs_prompts(self) -> bool:
+        """Whether packed forwards work: they need specrag's attention (``fast_paths``)."""
+        return uses_specrag_attention(self.model)
+
+    @property
     def vocab_size(self) -> int:
         return int(self.model.get_output_embeddings().weight.shape[0])
 
@@ -139,13 +152,21 @@ class CausalLM:
         return output.logits[0].float()
 
     def prefill(self, kv: SequenceKV, token_ids: Sequence[int]) -> torch.Tensor:
-        """Forward a prompt in chunks; returns the last position's logits [V]."""
-        logits = None
-        for start in range(0, len(token_ids), PREFILL_CHUNK_TOKENS):
-            chunk = token_ids[start : start + PREFILL_CHUNK_TOKENS]
-            logits = self.forward(kv, chunk, last_only=True)
-        if logits is None:
+        """Forward prompt rows after what ``kv`` holds, in the chunks the engine cuts
+        (``prompt_chunk_end``), attended as prompt rows; returns the last position's logits [V]."""
+        if not token_ids:
             raise ValueError("prefill needs a non-empty prompt")
+        from decoding.packed import Chunk, packed_forward  # packed calls back into this model
+
+        start, total, done = len(kv), len(kv) + len(token_ids), 0
+        while start < total:
+            end = prompt_chunk_end(start, total)
+            piece = token_ids[done : done + end - start]
+            if self.packs_prompts:
+                logits = packed_forward(self, [Chunk(kv, piece, prompt=True, last_only=True)])[0]
+            else:
+                logits = self.forward(kv, piece, last_only=True)
+            done, start = done + len(piece), end
         return logits[-1]
 
 

@@ -36,6 +36,8 @@ class Chunk:
 
     kv: SequenceKV
     token_ids: Sequence[int]
+    prompt: bool = False  # prompt rows: attended in aligned blocks (fast_paths.attend_prompt_blocks)
+    last_only: bool = False  # only the last row's logits are read (the others skip the LM head)
 
 
 class _PackedCache:
@@ -63,7 +65,8 @@ class _PackedCache:
 @torch.inference_mode()
 def packed_forward(lm: CausalLM, chunks: Sequence[Chunk]) -> list[torch.Tensor]:
     """Append every chunk to its sequence's cache in one forward; returns each chunk's
-    logits [len(chunk), V] as float32, in the order given. Each sequence appears once."""
+    logits as float32 ([len(chunk), V], or [1, V] for a ``last_only`` chunk), in the order
+    given. Each sequence appears once."""
     if not chunks or any(not chunk.token_ids for chunk in chunks):
         raise ValueError("a packed forward needs at least one chunk, each with a token")
     if len({id(chunk.kv) for chunk in chunks}) != len(chunks):
@@ -76,16 +79,22 @@ def packed_forward(lm: CausalLM, chunks: Sequence[Chunk]) -> list[torch.Tensor]:
     cache = _PackedCache(chunks)
     placeholder = torch.zeros((1, 1, ids.shape[1], 1), dtype=lm.dtype, device=device)  # never read
     exact = {ROW_EXACT_KWARG: True} if lm.row_exact else {}
+    kept = [
+        range(end - 1, end) if chunk.last_only else range(start, end)
+        for chunk, (start, end) in zip(chunks, cache.bounds, strict=True)
+    ]
     output = lm.model(
         input_ids=ids,
         position_ids=positions,
         attention_mask=placeholder,
         cache=cache,
         use_cache=True,
+        logits_to_keep=torch.tensor([row for rows in kept for row in rows], device=device),
         **{PACKED_KWARG: cache},
         **exact,
     )
     for chunk in chunks:
         chunk.kv.record(chunk.token_ids)
     logits = output.logits[0].float()
-    return [logits[start:end] for start, end in cache.bounds]
+    ends = torch.tensor([len(rows) for rows in kept]).cumsum(0).tolist()
+    return [logits[end - len(rows) : end] for rows, end in zip(kept, ends, strict=True)]

@@ -50,9 +50,10 @@ class GenerationEvent:
     seq_id: int
     token_ids: list[int]  # tokens committed by this cycle, in order
     finished: bool = False
-    finish_reason: str | None = None  # "stop", "length" or "cancelled"
+    finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
     stats: GenerationStats | None = None  # on the final event
     cycle: CycleInfo | None = None
+    error: Exception | None = None  # what failed this sequence alone (finish_reason "error")
 
 
 def validate(request: GenerationRequest, default_drafter: DrafterKind, has_draft_model: bool) -> DrafterKind:

@@ -1,18 +1,22 @@
-"""Running the engine's cycles one after another, or with their target forwards packed.
+"""The cycles of one engine step: each with its own forward, or all in one packed forward.
 
-A cycle (``Engine._advance``) is a generator: it decides what to forward (a prefill runs
-on its own and yields nothing), yields the one target forward it needs as a
-``ForwardNeed``, is sent that forward's logits, and returns the tokens it committed.
-``run_alone`` answers a cycle with its own forward, as the batch-1 engine always did;
-``run_packed`` starts every cycle of a step, answers all their needs with one
-``packed_forward`` (``decoding/packed.py``), and finishes each on its own rows. Keeping
-the cycle's code the same for both is what makes a packed step the same maths as B
-steps one after another: only the model call is shared.
+A cycle (``Engine._advance``, ``Engine._prefill_chunk``) is a generator: it decides what
+to forward, yields the one target forward it needs as a ``ForwardNeed``, is sent that
+forward's logits, and returns the tokens it committed. A ``StepBatch`` collects the cycles
+the scheduler admits to a step. Unpacked, it runs each cycle to its end as it is added,
+with its own forward, as the batch-1 engine always did; packed, it starts every cycle as
+it is added and answers all their needs with one ``packed_forward``
+(``decoding/packed.py``) in ``run``. Keeping the cycle's code the same for both is what
+makes a packed step the same maths as B steps one after another: only the model call is
+shared.
+
+A cycle that raises (its grammar, a logits processor, its drafter, its stop handling)
+fails alone: its result carries the error and the other cycles of the step go on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -27,39 +31,70 @@ class ForwardNeed:
     kv: SequenceKV
     token_ids: list[int]
     last_only: bool = False  # only the last row's logits are read
+    prompt: bool = False  # prompt rows (a prefill chunk), attended in aligned blocks
 
 
 Cycle = Generator[ForwardNeed, torch.Tensor, list[int]]
 
 
-def run_alone(target: CausalLM, cycle: Cycle) -> list[int]:
-    """One cycle to its end, with its own forward."""
-    try:
-        need = next(cycle)
-    except StopIteration as done:
-        return done.value
-    return _finish(cycle, target.forward(need.kv, need.token_ids, last_only=need.last_only))
+@dataclass
+class CycleResult:
+    tokens: list[int]  # committed by the cycle, in order
+    error: Exception | None = None  # the cycle raised: its sequence fails alone
 
 
-def run_packed(target: CausalLM, cycles: Sequence[Cycle]) -> list[list[int]]:
-    """Every cycle to its end; the forwards they need are one packed forward."""
-    committed: dict[int, list[int]] = {}
-    needs: list[tuple[int, ForwardNeed]] = []
-    for index, cycle in enumerate(cycles):
+def forward_alone(target: CausalLM, need: ForwardNeed) -> torch.Tensor:
+    """A need's own forward. Prompt rows always go through the packed call, so a prefill
+    chunk gets the same attention alone as beside other sequences."""
+    if need.prompt and target.packs_prompts:
+        return packed_forward(target, [Chunk(need.kv, need.token_ids, prompt=True, last_only=need.last_only)])[0]
+    return target.forward(need.kv, need.token_ids, last_only=need.last_only)
+
+
+class StepBatch:
+    """The cycles of one step, in the order added; ``tokens`` counts what they forward."""
+
+    def __init__(self, target: CausalLM, pack: bool) -> None:
+        self.target = target
+        self.pack = pack
+        self.tokens = 0
+        self._cycles: list[Cycle] = []
+        self._results: dict[int, CycleResult] = {}
+        self._needs: list[tuple[int, ForwardNeed]] = []
+
+    def add(self, cycle: Cycle) -> None:
+        index = len(self._cycles)
+        self._cycles.append(cycle)
         try:
-            needs.append((index, next(cycle)))
-        except StopIteration as done:  # a prefill: it ran on its own
-            committed[index] = done.value
-    if needs:
-        rows = packed_forward(target, [Chunk(need.kv, need.token_ids) for _, need in needs])
-        for (index, need), logits in zip(needs, rows, strict=True):
-            committed[index] = _finish(cycles[index], logits[-1:] if need.last_only else logits)
-    return [committed[index] for index in range(len(cycles))]
+            need = next(cycle)
+        except StopIteration as done:  # decided without a forward (e.g. a finished grammar)
+            self._results[index] = CycleResult(done.value)
+            return
+        except Exception as error:  # a failing cycle is reported, not raised
+            self._results[index] = CycleResult([], error)
+            return
+        self.tokens += len(need.token_ids)
+        if self.pack:
+            self._needs.append((index, need))
+        else:
+            self._results[index] = _finish(cycle, forward_alone(self.target, need))
+
+    def run(self) -> list[CycleResult]:
+        """Answer the packed needs with one forward; every cycle's result, in order."""
+        if self._needs:
+            chunks = [Chunk(need.kv, need.token_ids, need.prompt, need.last_only) for _, need in self._needs]
+            rows = packed_forward(self.target, chunks)
+            for (index, _), logits in zip(self._needs, rows, strict=True):
+                self._results[index] = _finish(self._cycles[index], logits)
+            self._needs = []
+        return [self._results[index] for index in range(len(self._cycles))]
 
 
-def _finish(cycle: Cycle, logits: torch.Tensor) -> list[int]:
+def _finish(cycle: Cycle, logits: torch.Tensor) -> CycleResult:
     try:
         cycle.send(logits)
     except StopIteration as done:
-        return done.value
+        return CycleResult(done.value)
+    except Exception as error:  # a failing cycle is reported, not raised
+        return CycleResult([], error)
     raise RuntimeError("a cycle needs at most one target forward")

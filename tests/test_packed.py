@@ -137,4 +137,4 @@ def test_an_engine_step_over_many_sequences_is_one_packed_forward_and_changes_no
         engine.add(request)
     while engine.has_unfinished():
         engine.step()
-    assert not calls  # pack=False: one forward per sequence, as before
+    assert calls and max(calls) == 1  # pack=False: one forward per sequence (a prefill chunk alone too)

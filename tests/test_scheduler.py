@@ -1,0 +1,168 @@
+"""The engine step's scheduler: prefill chunks under a token budget beside running
+sequences, prompt rows whose bits do not depend on how the prompt is cut, and a failing
+sequence that fails alone."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from decoding.engine import Engine
+from decoding.fast_paths import attend_prompt_blocks
+from decoding.model import PREFILL_CHUNK_TOKENS, CausalLM
+from decoding.request import GenerationRequest
+from decoding.sampling import SamplingParams
+from tests.conftest import tiny_causal_lm
+
+LONG_PROMPT = [(5 * i + 3) % 48 for i in range(2 * PREFILL_CHUNK_TOKENS + 88)]  # three chunks
+
+
+def tiny(row_exact: bool) -> CausalLM:
+    target = tiny_causal_lm(48, seed=0)
+    target.row_exact = row_exact  # forced: float64 rows agree to ~1e-15, so packing is exact
+    return target
+
+
+def request(prompt: Sequence[int], **overrides: object) -> GenerationRequest:
+    fields: dict = {"max_tokens": 10, "stop_token_ids": [], "lookup_sources": [list(prompt)[::-1]]}
+    fields.update(overrides)
+    return GenerationRequest(list(prompt), **fields)
+
+
+def alone(target: CausalLM, one: GenerationRequest) -> list[int]:
+    return [token for event in Engine(target, debug=True).generate(one) for token in event.token_ids]
+
+
+@pytest.mark.parametrize("row_exact", [True, False], ids=["packed", "one-by-one"])
+def test_a_long_prompt_is_prefilled_a_chunk_a_step_while_the_others_decode(row_exact: bool) -> None:
+    target = tiny(row_exact)
+    engine = Engine(target, debug=True, min_ngram=1)
+    short = [request([3, 17, 5, 22, 9, 31, 4] * 3, max_tokens=30), request([8, 1, 8, 2] * 4, speculation="off")]
+    ids = [engine.add(one) for one in short]
+    outputs: dict[int, list[int]] = {seq_id: [] for seq_id in ids}
+    for event in engine.step():  # both short prompts prefill in the first step
+        outputs[event.seq_id] += event.token_ids
+    long_request = request(LONG_PROMPT, max_tokens=6)
+    long_id = engine.add(long_request)
+    outputs[long_id] = []
+    steps_to_first_token = 0
+    while not outputs[long_id]:
+        events = {event.seq_id: event for event in engine.step()}
+        steps_to_first_token += 1
+        for seq_id in ids:  # never stalled by the prefill: a token (or more) every step
+            assert events[seq_id].token_ids
+        for seq_id, event in events.items():
+            outputs[seq_id] += event.token_ids
+    assert steps_to_first_token == 3  # 256 + 256 + 88 prompt tokens
+    while engine.has_unfinished():
+        for event in engine.step():
+            outputs[event.seq_id] += event.token_ids
+    for seq_id, one in zip([*ids, long_id], [*short, long_request], strict=True):
+        assert outputs[seq_id] == alone(target, one)
+
+
+def test_the_budget_admits_the_oldest_prompt_chunk_and_more_only_while_it_lasts() -> None:
+    engine = Engine(tiny(True), debug=True, max_num_batched_tokens=300)
+    prompts = [[(seed + i) % 48 for i in range(200)] for seed in range(3)]
+    ids = [engine.add(request(prompt, speculation="off")) for prompt in prompts]
+    assert [event.seq_id for event in engine.step()] == ids[:1]  # 200 + 200 > 300
+    assert [event.seq_id for event in engine.step()] == ids[:2]  # 1 decode token + 200
+    assert [event.seq_id for event in engine.step()] == ids  # 2 + 200
+
+
+class FailsAt:
+    """A prefix-only processor that raises once the output reaches ``position`` tokens."""
+
+    speculative_safe = True
+
+    def __init__(self, prompt_len: int, position: int) -> None:
+        self.limit = prompt_len + position
+
+    def __call__(self, token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        if len(token_ids) >= self.limit:
+            raise RuntimeError("planted processor failure")
+        return logits
+
+
+@pytest.mark.parametrize("row_exact", [True, False], ids=["packed", "one-by-one"])
+def test_a_sequence_whose_processor_raises_fails_alone(row_exact: bool) -> None:
+    target = tiny(row_exact)
+    prompts = [[(7 * seed + 3 * i) % 48 for i in range(12 + seed)] * 2 for seed in range(3)]
+    healthy = [
+        request(prompts[0], max_tokens=14),
+        request(prompts[2], max_tokens=14, speculation="on", sampling=SamplingParams(temperature=0.8, seed=3)),
+    ]
+    failing = request(prompts[1], max_tokens=14, logits_processors=[FailsAt(len(prompts[1]), 4)])
+    engine = Engine(target, debug=True, min_ngram=1)
+    ids = [engine.add(one) for one in (healthy[0], failing, healthy[1])]
+    outputs: dict[int, list[int]] = {seq_id: [] for seq_id in ids}
+    errors = {}
+    while engine.has_unfinished():
+        for event in engine.step():
+            outputs[event.seq_id] += event.token_ids
+            if event.error is not None:
+                errors[event.seq_id] = event
+    assert list(errors) == [ids[1]]
+    assert errors[ids[1]].finished and errors[ids[1]].finish_reason == "error"
+    assert "planted" in str(errors[ids[1]].error)
+    assert outputs[ids[0]] == alone(target, healthy[0])
+    assert outputs[ids[2]] == alone(target, healthy[1])
+
+
+def test_the_worker_raises_a_failed_sequence_to_its_own_caller_only() -> None:
+    from agent.worker import EngineWorker
+
+    target = tiny(True)
+    worker = EngineWorker(Engine(target, debug=True))
+    try:
+        prompt = [4, 9, 2, 33] * 5
+        failing = worker.generate(request(prompt, logits_processors=[FailsAt(len(prompt), 2)]))
+        fine = worker.generate(request(prompt, max_tokens=8))
+        first = next(fine)
+        with pytest.raises(RuntimeError, match="planted"):
+            list(failing)
+        tokens = first.token_ids + [token for event in fine for token in event.token_ids]
+        assert tokens == alone(target, request(prompt, max_tokens=8))
+        assert worker.in_flight == 0
+    finally:
+        worker.stop()
+
+
+@pytest.mark.parametrize("start", [0, 32, 64, 70])
+def test_prompt_blocks_are_causal_attention(start: int) -> None:
+    generator = torch.Generator().manual_seed(start)
+    total = 150
+    query = torch.randn(1, 4, total - start, 8, generator=generator, dtype=torch.float64)
+    key, value = (torch.randn(1, 2, total, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    hidden = torch.arange(total)[None, :] > torch.arange(start, total)[:, None]
+    mask = torch.zeros(hidden.shape, dtype=torch.float64).masked_fill(hidden, float("-inf"))
+    expected = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[None, None], enable_gqa=True)
+    torch.testing.assert_close(attend_prompt_blocks(query, key, value, None), expected, atol=1e-12, rtol=0)
+
+
+def test_where_bf16_is_row_exact_a_prompt_gets_the_same_bits_however_it_is_cut() -> None:
+    """smollm2 in bfloat16 (row-exact where the probe passes): a prompt prefilled whole, in
+    the engine's chunks beside another sequence, and after a prefix-cache hit gives the
+    same last-row logits, bit for bit."""
+    from decoding.model import load_model
+    from decoding.packed import Chunk, packed_forward
+    from decoding.prefix_cache import PrefixCache, prefill_cached
+
+    lm = load_model("smollm2-135m", dtype="bfloat16", progress=False)
+    if not lm.row_exact:
+        pytest.skip("bf16 is not row-exact on this CPU (decoding/batch_invariance.py)")
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, 40_000, (300,), generator=generator).tolist()
+    whole = lm.prefill(lm.new_kv(), prompt)
+    kv, other = lm.new_kv(), lm.new_kv()
+    lm.prefill(other, prompt[:40])
+    packed_forward(lm, [Chunk(kv, prompt[:96], prompt=True, last_only=True), Chunk(other, [7])])
+    cut = packed_forward(lm, [Chunk(other, [8, 9]), Chunk(kv, prompt[96:], prompt=True, last_only=True)])[1][-1]
+    assert torch.equal(cut, whole)
+    cache = PrefixCache(block_tokens=32)
+    prefill_cached(lm, lm.new_kv(), [*prompt[:200], 5, 6], cache)
+    hit, cached_len = prefill_cached(lm, lm.new_kv(), prompt, cache)
+    assert cached_len == 192 and torch.equal(hit, whole)
