@@ -16,7 +16,9 @@ where a vLLM metric exists (``vllm:spec_decode_num_drafts`` becomes
   from a chat completion's ``GenerationStats``, or from an agent run's trace (its
   ``speculation_cycle`` events), since the agent loop does not hand out per-step stats;
 - ``specrag:prefix_cache_queries_total`` / ``specrag:prefix_cache_hits_total`` (tokens) and
-  ``specrag:num_requests_in_flight``, read from the engine at scrape time.
+  ``specrag:num_requests_in_flight``, ``specrag:num_requests_running`` (past their prefill) and
+  ``specrag:num_requests_waiting`` (queued, or waiting for prefill chunks; vLLM's names), read
+  from the engine at scrape time.
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ def _cycles(trace: Mapping[str, Any] | None) -> Iterator[Mapping[str, Any]]:
 
 
 class _EngineCollector(Collector):
-    """Prefix-cache counters and the worker's in-flight count, read when scraped."""
+    """Prefix-cache counters and the worker's request counts, read when scraped."""
 
     def __init__(self, agent: Any) -> None:
         self.agent = agent
@@ -135,7 +137,16 @@ class _EngineCollector(Collector):
         worker = getattr(self.agent, "worker", None)
         in_flight = GaugeMetricFamily("specrag:num_requests_in_flight", "Generations waiting or running")
         in_flight.add_metric([], float(worker.in_flight if worker is not None else 0))
-        yield from (queries, hits, in_flight)
+        engine = self.agent.engine
+        running = engine.num_running() if hasattr(engine, "num_running") else 0
+        waiting = max(0, (worker.in_flight if worker is not None else 0) - running)
+        running_gauge = GaugeMetricFamily("specrag:num_requests_running", "Generations past their prefill")
+        running_gauge.add_metric([], float(running))
+        waiting_gauge = GaugeMetricFamily(
+            "specrag:num_requests_waiting", "Generations queued or waiting for their prompt's prefill chunks"
+        )
+        waiting_gauge.add_metric([], float(waiting))
+        yield from (queries, hits, in_flight, running_gauge, waiting_gauge)
 
 
 class MetricsMiddleware:

@@ -162,6 +162,14 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._active)
 
+    def num_running(self) -> int:
+        """Sequences past their prefill (vLLM's num_requests_running counts these)."""
+        return sum(seq.prefilled for seq in list(self._active.values()))  # list(): read from other threads
+
+    def num_waiting(self) -> int:
+        """Sequences whose prompt is not all in the cache yet (waiting for prefill chunks)."""
+        return len(self._active) - self.num_running()
+
     def generate(self, request: GenerationRequest) -> Iterator[GenerationEvent]:
         """Run one request to the end, streaming an event per cycle."""
         seq_id = self.add(request)

@@ -17,6 +17,7 @@ import json
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -25,7 +26,7 @@ from decoding import Engine, GenerationRequest, load_model
 
 def percentile(values: list[float], fraction: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(fraction * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
 
 
 def run(model: str, dtype: str, decoders: int, prompt_tokens: int, warm_steps: int) -> dict[str, object]:
@@ -79,8 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args.model, args.dtype, args.decoders, args.prompt_tokens, args.warm_steps)
     print(json.dumps(result, indent=2))
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as handle:
-            json.dump(result, handle, indent=2)
+        Path(args.out).write_text(json.dumps(result, indent=2), encoding="utf-8")
     return 0
 
 

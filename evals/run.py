@@ -99,6 +99,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--tools", nargs="*", default=None, help="tools offered (default: the agent's default)")
     parser.add_argument("--compare-off", action="store_true", help="also answer with speculation off; compare")
+    parser.add_argument(
+        "--shared-prefix-cache",
+        action="store_true",
+        help="with --compare-off: keep the prefix caches between the passes (the off pass reuses the on pass's prompt)",
+    )
     parser.add_argument("--min-groundedness", type=float, default=None, help="exit 1 when groundedness is below")
     parser.add_argument("--quick", action="store_true", help="one question per kind (5)")
     parser.add_argument("--limit", type=int, default=None, help="only the first N questions")
@@ -242,11 +247,12 @@ def _run_all(
     off: list[dict[str, Any]] = []
     bar = tqdm(items, desc="eval groundedness", unit="q", disable=args.no_progress, file=sys.stderr)
     for item in bar:
-        if args.compare_off:
+        if args.compare_off and not args.shared_prefix_cache:
             _clear_prefix_caches(agent)
         on.append(_answer(agent, scorer, item, {**options, "speculation": args.speculation}))
         if args.compare_off:
-            _clear_prefix_caches(agent)
+            if not args.shared_prefix_cache:
+                _clear_prefix_caches(agent)
             off.append(_answer(agent, scorer, item, {**options, "speculation": "off"}))
         scores = [r["groundedness"] for r in on if r["groundedness"] is not None]
         bar.set_postfix(groundedness=f"{sum(scores) / len(scores):.2f}" if scores else "n/a")

@@ -68,9 +68,12 @@ def test_the_budget_admits_the_oldest_prompt_chunk_and_more_only_while_it_lasts(
     engine = Engine(tiny(True), debug=True, max_num_batched_tokens=300)
     prompts = [[(seed + i) % 48 for i in range(200)] for seed in range(3)]
     ids = [engine.add(request(prompt, speculation="off")) for prompt in prompts]
+    assert (engine.num_running(), engine.num_waiting()) == (0, 3)
     assert [event.seq_id for event in engine.step()] == ids[:1]  # 200 + 200 > 300
+    assert (engine.num_running(), engine.num_waiting()) == (1, 2)
     assert [event.seq_id for event in engine.step()] == ids[:2]  # 1 decode token + 200
     assert [event.seq_id for event in engine.step()] == ids  # 2 + 200
+    assert (engine.num_running(), engine.num_waiting()) == (3, 0)
 
 
 class FailsAt:
@@ -166,3 +169,17 @@ def test_where_bf16_is_row_exact_a_prompt_gets_the_same_bits_however_it_is_cut()
     prefill_cached(lm, lm.new_kv(), [*prompt[:200], 5, 6], cache)
     hit, cached_len = prefill_cached(lm, lm.new_kv(), prompt, cache)
     assert cached_len == 192 and torch.equal(hit, whole)
+
+
+def test_the_stall_benchmark_reports_the_decoders_gaps_until_the_long_prompts_first_token(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import json
+
+    from evals.bench_prefill_stall import main
+
+    args = ["--model", "smollm2-135m", "--dtype", "float32", "--decoders", "2", "--prompt-tokens", "300"]
+    assert main([*args, "--warm-steps", "1"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["steps_to_first_token"] == 2  # 256 + 44 prompt tokens
+    assert 0 < result["itl_p50_s"] <= result["itl_p99_s"] <= result["itl_max_s"] <= result["long_prompt_ttft_s"]

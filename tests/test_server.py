@@ -149,6 +149,7 @@ def test_metrics_count_requests_and_speculation(client: TestClient[Any]) -> None
     assert ("specrag:time_to_first_token_seconds_count", (("endpoint", "chat"),)) in samples
     assert samples[("specrag:request_queue_time_seconds_count", ())] >= 1
     assert samples[("specrag:inter_token_latency_seconds_count", ())] >= 1
+    assert samples[("specrag:num_requests_running", ())] == samples[("specrag:num_requests_waiting", ())] == 0
 
 
 def test_models_health_and_openapi(client: TestClient[Any]) -> None:
