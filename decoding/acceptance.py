@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from decoding.sampling import on_generator_device
+
 # Below this residual mass the target and draft rows agree up to float rounding; the
 # rejection that led here had probability of about this mass, so drawing from p instead
 # of the (numerically meaningless) residual moves at most that much probability.
@@ -72,11 +74,12 @@ def speculative_accept_batch(
     batch, gamma = draft_tokens.shape
     q_of_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
     accept_prob = _acceptance_probability(draft_tokens, draft_probs, target_probs)
-    uniforms = torch.rand((batch, gamma), generator=generator, dtype=accept_prob.dtype)
-    accepted = (uniforms < accept_prob).to(torch.int64)
+    draw_device = accept_prob.device if generator is None else generator.device
+    uniforms = torch.rand((batch, gamma), generator=generator, dtype=accept_prob.dtype, device=draw_device)
+    accepted = (uniforms.to(accept_prob.device) < accept_prob).to(torch.int64)
     accepted_len = accepted.cumprod(dim=-1).sum(dim=-1)
 
-    rows = torch.arange(batch)
+    rows = torch.arange(batch, device=draft_tokens.device)
     # A zero row at index γ turns the residual at the bonus position into p itself.
     q_padded = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, target_probs.shape[-1])], dim=1)
     q_at_stop = q_padded[rows, accepted_len]
@@ -85,7 +88,8 @@ def speculative_accept_batch(
     q_of_stop_token = torch.cat([q_of_draft, q_of_draft.new_ones(batch, 1)], dim=1)[rows, accepted_len]
     q_at_stop = q_at_stop * (q_of_stop_token > 0)[:, None]
     stop_dist = _residual_distribution(target_probs[rows, accepted_len], q_at_stop)
-    next_token = torch.multinomial(stop_dist, 1, generator=generator).squeeze(-1)
+    next_token = torch.multinomial(on_generator_device(stop_dist, generator), 1, generator=generator)
+    next_token = next_token.to(draft_tokens.device).squeeze(-1)
     return accepted_len, next_token
 
 

@@ -377,15 +377,15 @@ class Engine:
         return seq.commit(committed)
 
     def _accept(self, seq: SequenceState, draft: Draft, target_logits: torch.Tensor) -> tuple[int, list[int]]:
-        draft_tokens = torch.tensor(draft.tokens, dtype=torch.long)
+        draft_tokens = torch.tensor(draft.tokens, dtype=torch.long, device=target_logits.device)
         sampling = seq.request.sampling
         if sampling.greedy:
             accepted_len, committed = greedy_accept(draft_tokens, target_logits)
         else:
             target_probs = probs_from_logits(target_logits, sampling)
-            draft_probs = draft.probs
+            draft_probs = None if draft.probs is None else draft.probs.to(target_probs.device)
             if draft_probs is None:  # a deterministic drafter: q is one-hot on its token
-                draft_probs = torch.zeros(len(draft.tokens), target_probs.shape[-1], dtype=target_probs.dtype)
+                draft_probs = target_probs.new_zeros(len(draft.tokens), target_probs.shape[-1])
                 draft_probs.scatter_(1, draft_tokens[:, None], 1.0)
             accepted_len, committed = speculative_accept(draft_tokens, draft_probs, target_probs, seq.generator)
         return accepted_len, committed.tolist()

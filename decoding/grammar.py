@@ -54,7 +54,7 @@ class Grammar:
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Unpack xgrammar's int32 bitmask rows [R, ceil(V/32)] to booleans [R, V]."""
-    bits = (bitmask.unsqueeze(-1) >> _BITS) & 1
+    bits = (bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1
     return bits.flatten(-2)[..., :vocab_size].bool()
 
 
@@ -73,7 +73,7 @@ def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     Masking logits before the sampling transform is masking p and renormalising, and it
     is done the same way for the target's rows and the draft's rows.
     """
-    allowed = allowed_tokens(bitmask, logits.shape[-1])
+    allowed = allowed_tokens(bitmask.to(logits.device), logits.shape[-1])  # xgrammar fills a CPU mask
     return logits.masked_fill(~allowed.reshape(logits.shape), float("-inf"))
 
 

@@ -67,5 +67,5 @@ class PenaltyProcessor:
         self.prompt_length = prompt_length
 
     def __call__(self, token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
-        seen = torch.as_tensor(list(token_ids), dtype=torch.long)
+        seen = torch.as_tensor(list(token_ids), dtype=torch.long, device=logits.device)
         return penalize(logits, seen, seen[self.prompt_length :], self.penalties)

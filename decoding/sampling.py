@@ -78,10 +78,16 @@ def _mask_outside_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Draw one token per row of ``probs`` ([..., V] -> [...])."""
-    flat = probs.reshape(-1, probs.shape[-1])
+    """Draw one token per row of ``probs`` ([..., V] -> [...]), on the probs' device."""
+    flat = on_generator_device(probs.reshape(-1, probs.shape[-1]), generator)
     drawn = torch.multinomial(flat, 1, generator=generator)
-    return drawn.reshape(probs.shape[:-1])
+    return drawn.to(probs.device).reshape(probs.shape[:-1])
+
+
+def on_generator_device(tensor: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """``tensor`` where ``generator`` draws (a CPU generator with CUDA logits: the draw runs
+    on the CPU, so a seed gives the same tokens on every device)."""
+    return tensor if generator is None else tensor.to(generator.device)
 
 
 def select_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
