@@ -10,9 +10,12 @@ Methods: ``plain`` (our engine, speculation off: the baseline of every ratio), `
 prompt lookup), ``ours_draft`` (on, the draft model, with ``--draft``) and ``ours_auto``
 (the policy: prompt lookup first, the draft model as fallback when one is given).
 Within each repeat every method runs once per workload, in the same order, so drift of
-the machine hits all alike. Every method decodes greedily, so every output should equal
-plain's; where one does not, ``first_divergence`` gives the position and plain's top-2
-logit gap there (the near-tie rule of ``decoding/numerics.py``).
+the machine hits all alike. By default every method decodes greedily, so every output should
+equal plain's; where one does not, ``first_divergence`` gives the position and plain's top-2
+logit gap there (the near-tie rule of ``decoding/numerics.py``). ``--temperature`` /
+``--top-p`` sample instead, every method of repeat r with seed r (transformers through its
+seeded global RNG, since ``generate`` takes no generator): acceptance and speed-ups under
+sampling, beside greedy; outputs then differ by design and ``identical_to_plain`` is null.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 
 from decoding.model import load_model
 from decoding.policy import PolicyConfig
+from decoding.sampling import SamplingParams
 from evals import workloads
 from evals.bench_runs import METHODS, MethodRunner, Row, machine, position_sums, summarise
 
@@ -56,12 +60,14 @@ def run_matrix(
     for repeat in range(repeats):
         for name in workload_names:
             for method in plan[name]:
-                rows[name, method].runs.append(runner.run(method, *encoded[name]))
+                rows[name, method].runs.append(runner.run(method, *encoded[name], seed=repeat))
         print(f"repeat {repeat + 1}/{repeats} done", file=sys.stderr, flush=True)
     return list(rows.values())
 
 
 def _identical_cell(result: dict[str, Any]) -> str:
+    if result["identical_to_plain"] is None:
+        return "sampled"
     if result["identical_to_plain"]:
         return "yes"
     divergence = result["first_divergence"]
@@ -145,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FIELD=VALUE",
         help="override a PolicyConfig field of ours_auto, e.g. acceptance_prior=0.7",
     )
+    parser.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature)")
     parser.add_argument("--quick", action="store_true", help="one workload, one repeat, a few tokens")
     parser.add_argument("--json", dest="json_path", help="write the results as JSON here")
     parser.add_argument("--plot", dest="plot_path", help="write a PNG: speed-ups and accepted lengths")
@@ -153,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     target = load_model(args.model, dtype=args.dtype)
     draft = load_model(args.draft, dtype=args.dtype) if args.draft else None
-    runner = MethodRunner(target, draft, args.gamma, args.draft_gamma, policy_config(args.policy))
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
+    runner = MethodRunner(target, draft, args.gamma, args.draft_gamma, policy_config(args.policy), sampling)
     methods = args.method or [method for method in METHODS if draft is not None or method not in runner.needs_draft]
     workload_names = args.workload or workloads.names()
     repeats, max_tokens = args.repeats, args.max_tokens
@@ -169,10 +178,14 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "draft": args.draft,
         "dtype": str(target.dtype),
+        "sampling": {"temperature": args.temperature, "top_p": args.top_p, "seeds": f"0..{repeats - 1}"},
         "repeats": repeats,
         "results": results,
     }
-    print(f"model {args.model} ({target.dtype}), draft {args.draft}, {repeats} repeat(s), medians")
+    decoding = "greedy"
+    if not sampling.greedy:
+        decoding = f"sampled at T={args.temperature}, top-p {args.top_p}, seeds 0..{repeats - 1}"
+    print(f"model {args.model} ({target.dtype}), draft {args.draft}, {repeats} repeat(s), medians, {decoding}")
     print_table(results)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(info, indent=2))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import statistics
@@ -17,6 +18,7 @@ from decoding.grammar import Grammar
 from decoding.model import CausalLM
 from decoding.numerics import find_divergence
 from decoding.policy import PolicyConfig
+from decoding.sampling import SamplingParams
 from evals.workloads import Encoded
 
 METHODS = ("plain", "hf", "hf_prompt_lookup", "hf_assisted", "ours_lookup", "ours_draft", "ours_auto")
@@ -61,17 +63,20 @@ class MethodRunner:
         gamma: int = 8,
         draft_gamma: int = 4,
         policy: PolicyConfig | None = None,
+        sampling: SamplingParams | None = None,
     ) -> None:
         self.target = target
+        self.sampling = sampling or SamplingParams()  # greedy unless the matrix samples
         self.draft = draft
         self.gamma = gamma
         self.draft_gamma = draft_gamma
         self.engine = Engine(target, draft, policy=policy)
         self.engine.calibrate()  # before any timing: ours_auto's cost model
 
-    def run(self, method: str, encoded: Encoded, max_tokens: int) -> Run:
+    def run(self, method: str, encoded: Encoded, max_tokens: int, seed: int = 0) -> Run:
+        """One timed run; when sampling, every method of a repeat gets the same ``seed``."""
         if method.startswith("hf"):
-            return self._run_hf(method, encoded.prompt, max_tokens)
+            return self._run_hf(method, encoded.prompt, max_tokens, seed)
         speculation, drafter, gamma = {
             "plain": ("off", None, self.gamma),
             "ours_lookup": ("on", "lookup", self.gamma),
@@ -87,6 +92,7 @@ class MethodRunner:
             num_speculative_tokens=gamma,
             lookup_sources=encoded.passages,
             lookup_source_names=encoded.passage_names,
+            sampling=dataclasses.replace(self.sampling, seed=seed),
         )
         output: list[int] = []
         first_token_at = None
@@ -106,10 +112,13 @@ class MethodRunner:
             return compiler.json_schema(constraint["json_schema"])
         return compiler.tool_calls(constraint["tools"], allow_text=False)
 
-    def _run_hf(self, method: str, prompt: list[int], max_tokens: int) -> Run:
+    def _run_hf(self, method: str, prompt: list[int], max_tokens: int, seed: int) -> Run:
         input_ids = torch.tensor([prompt], device=self.target.device)
         eos = sorted(self.target.eos_token_ids())
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = {"do_sample": False}
+        if not self.sampling.greedy:  # generate() has no generator argument: its own seeded global RNG
+            extra = {"do_sample": True, "temperature": self.sampling.temperature, "top_p": self.sampling.top_p}
+            extra["top_k"] = self.sampling.top_k or None
         if method == "hf_prompt_lookup":
             extra["prompt_lookup_num_tokens"] = 10
         elif method == "hf_assisted":
@@ -117,13 +126,13 @@ class MethodRunner:
             extra["assistant_model"] = self.draft.model
 
         def generate(new_tokens: int) -> tuple[list[int], float]:
+            torch.manual_seed(seed)
             start = time.perf_counter()
             with torch.inference_mode():
                 output = self.target.model.generate(
                     input_ids,
                     attention_mask=torch.ones_like(input_ids),
                     max_new_tokens=new_tokens,
-                    do_sample=False,
                     eos_token_id=eos,
                     pad_token_id=eos[0],
                     **extra,
@@ -195,7 +204,8 @@ def summarise(rows: list[Row], runner: MethodRunner) -> list[dict[str, Any]]:
         plain_speed = statistics.median(run.decode_tokens_per_s() for run in plain[row.workload].runs)
         different = next((run for run in row.runs if run.output != reference.output), None)
         divergence = None
-        if different is not None:
+        sampled = not runner.sampling.greedy  # sampled outputs differ by design: only the distribution is kept
+        if different is not None and not sampled:
             found = find_divergence(runner.target, reference.prompt, reference.output, different.output)
             divergence = {"position": found.position, "plain_top2_gap": found.plain_top2_gap} if found else None
         runs = row.runs
@@ -209,7 +219,7 @@ def summarise(rows: list[Row], runner: MethodRunner) -> list[dict[str, Any]]:
                 "output_tokens": len(runs[0].output),
                 "ttft_s": round(statistics.median(run.ttft for run in runs), 3),
                 "tpot_s": round(1 / speed, 4) if speed else None,
-                "identical_to_plain": different is None,
+                "identical_to_plain": None if sampled else different is None,
                 "first_divergence": divergence,
                 **_speculation_summary([run.stats for run in runs if run.stats is not None]),
             }

@@ -33,7 +33,8 @@ def test_every_workload_file_loads_and_builds_a_prompt(smollm2: CausalLM) -> Non
 @pytest.mark.slow
 def test_quick_benchmark_writes_json_and_plot(smollm2: CausalLM, tmp_path: Path) -> None:
     json_path, plot_path = tmp_path / "bench.json", tmp_path / "bench.png"
-    assert bench_decode.main(["--quick", "--json", str(json_path), "--plot", str(plot_path)]) == 0
+    args = ["--quick", "--dtype", "float32", "--json", str(json_path), "--plot", str(plot_path)]
+    assert bench_decode.main(args) == 0
     report = json.loads(json_path.read_text())
     assert set(report) >= {"machine", "model", "results"}
     methods = {result["method"] for result in report["results"]}
@@ -56,3 +57,21 @@ def test_quick_benchmark_writes_json_and_plot(smollm2: CausalLM, tmp_path: Path)
         assert keys <= set(result)
         assert result["identical_to_plain"] is True  # greedy, float32
     assert plot_path.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_the_matrix_samples_when_asked_with_one_seed_per_repeat(smollm2: CausalLM, tmp_path: Path) -> None:
+    from decoding.sampling import SamplingParams
+    from evals.bench_runs import MethodRunner
+
+    json_path = tmp_path / "bench.json"
+    args = ["--quick", "--dtype", "float32", "--temperature", "0.8", "--top-p", "0.95", "--json", str(json_path)]
+    assert bench_decode.main(args) == 0
+    report = json.loads(json_path.read_text())
+    assert report["sampling"]["temperature"] == 0.8 and report["sampling"]["top_p"] == 0.95
+    assert all(result["identical_to_plain"] is None and result["tokens_per_s"] > 0 for result in report["results"])
+    runner = MethodRunner(smollm2, None, sampling=SamplingParams(temperature=1.0))
+    encoded = workloads.load("chat_open").encode(smollm2.tokenizer, 2048)
+    for method in ("plain", "ours_lookup"):  # a seed fixes the draw of our methods
+        outputs = [runner.run(method, encoded, 12, seed=seed).output for seed in (3, 3, 4)]
+        assert outputs[0] == outputs[1] != outputs[2]
