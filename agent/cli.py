@@ -3,6 +3,7 @@
     specrag pull PACK            fetch, check and convert a model pack (like ``ollama pull``)
     specrag bench decode         plain vs ours vs transformers, side by side
     specrag bench lookup         prompt-lookup cost per step at 2k and 32k tokens of sources
+    specrag bench serve          open-loop Poisson arrivals through the HTTP server, speculation off/on/auto
     specrag demo                 stream a speculative RAG answer over the sample corpus
     specrag index build DOCS --out DIR    build or update a document index (``--sample``: pydoc topics)
     specrag index search DIR "QUERY"      top passages from an index
@@ -293,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     pull.set_defaults(handler=_pull)
 
     bench = commands.add_parser("bench", help="benchmarks (see evals/)")
-    bench.add_argument("suite", choices=["decode", "lookup"])
+    bench.add_argument("suite", choices=["decode", "lookup", "serve"])
     bench.add_argument("options", nargs=argparse.REMAINDER, help="passed to the benchmark; try `-- --help`")
     bench.set_defaults(handler=_bench)
 
@@ -346,6 +347,8 @@ def _bench(args: argparse.Namespace) -> int:
     options = [option for option in args.options if option != "--"]
     if args.suite == "decode":
         from evals.bench_decode import main as bench_main
+    elif args.suite == "serve":
+        from evals.bench_serve import main as bench_main
     else:
         from evals.bench_lookup import main as bench_main
     return bench_main(options)

@@ -75,3 +75,20 @@ def test_the_matrix_samples_when_asked_with_one_seed_per_repeat(smollm2: CausalL
     for method in ("plain", "ours_lookup"):  # a seed fixes the draw of our methods
         outputs = [runner.run(method, encoded, 12, seed=seed).output for seed in (3, 3, 4)]
         assert outputs[0] == outputs[1] != outputs[2]
+
+
+@pytest.mark.slow
+def test_the_serving_benchmark_replays_one_trace_per_rate_for_every_mode(tmp_path: Path) -> None:
+    from evals import bench_serve
+
+    trace = bench_serve.arrival_trace(4.0, 30.0, ["a", "b"], seed=1)
+    assert trace == bench_serve.arrival_trace(4.0, 30.0, ["a", "b"], seed=1)  # the same arrivals per mode
+    assert 80 < len(trace) < 160 and all(later > earlier for (earlier, _), (later, _) in zip(trace, trace[1:]))
+    json_path = tmp_path / "serve.json"
+    args = ["--rate", "3", "--duration", "1.5", "--max-tokens", "6", "--mode", "off", "--mode", "auto"]
+    assert bench_serve.main([*args, "--dtype", "float32", "--json", str(json_path)]) == 0
+    rows = json.loads(json_path.read_text())["results"]
+    assert [row["speculation"] for row in rows] == ["off", "auto"]
+    assert rows[0]["requests"] == rows[1]["requests"] > 0 and all(row["failed"] == 0 for row in rows)
+    assert all(row["output_tokens_per_s"] > 0 and row["ttft_p50_s"] <= row["ttft_p99_s"] for row in rows)
+    assert rows[0]["draft_acceptance"] is None  # nothing drafted with speculation off
