@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -83,7 +84,7 @@ def test_the_serving_benchmark_replays_one_trace_per_rate_for_every_mode(tmp_pat
 
     trace = bench_serve.arrival_trace(4.0, 30.0, ["a", "b"], seed=1)
     assert trace == bench_serve.arrival_trace(4.0, 30.0, ["a", "b"], seed=1)  # the same arrivals per mode
-    assert 80 < len(trace) < 160 and all(later > earlier for (earlier, _), (later, _) in zip(trace, trace[1:]))
+    assert 80 < len(trace) < 160 and all(later > earlier for (earlier, _), (later, _) in itertools.pairwise(trace))
     json_path = tmp_path / "serve.json"
     args = ["--rate", "3", "--duration", "1.5", "--max-tokens", "6", "--mode", "off", "--mode", "auto"]
     assert bench_serve.main([*args, "--dtype", "float32", "--json", str(json_path)]) == 0
