@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from decoding.sampling import on_generator_device
+from decoding.drafters.base import Draft
+from decoding.sampling import SamplingParams, on_generator_device, probs_from_logits
 
 # Below this residual mass the target and draft rows agree up to float rounding; the
 # rejection that led here had probability of about this mass, so drawing from p instead
@@ -110,3 +111,23 @@ def _residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     mass = residual.sum(dim=-1, keepdim=True)
     no_mass = mass <= RESIDUAL_MASS_EPS
     return torch.where(no_mass, p, residual / mass.clamp_min(RESIDUAL_MASS_EPS))
+
+
+def accept_draft(
+    draft: Draft, target_logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
+) -> tuple[int, list[int]]:
+    """Verify one sequence's draft against its target rows [γ+1, V] (processors and masks
+    applied) by the rule its sampling parameters call for; a deterministic drafter's q is
+    one-hot on its token. Returns ``(accepted_len, committed tokens)``."""
+    draft_tokens = torch.tensor(draft.tokens, dtype=torch.long, device=target_logits.device)
+    if sampling.greedy:
+        accepted_len, committed = greedy_accept(draft_tokens, target_logits)
+        return accepted_len, committed.tolist()
+    target_probs = probs_from_logits(target_logits, sampling)
+    if draft.probs is None:
+        draft_probs = target_probs.new_zeros(len(draft.tokens), target_probs.shape[-1])
+        draft_probs.scatter_(1, draft_tokens[:, None], 1.0)
+    else:
+        draft_probs = draft.probs.to(target_probs.device)
+    accepted_len, committed = speculative_accept(draft_tokens, draft_probs, target_probs, generator)
+    return accepted_len, committed.tolist()

@@ -41,7 +41,7 @@ from collections.abc import Iterator
 import torch
 
 from decoding import policy as policies
-from decoding.acceptance import greedy_accept, speculative_accept
+from decoding.acceptance import accept_draft
 from decoding.drafters import Draft, Drafter, ModelDrafter
 from decoding.drafters.model_drafter import SOURCE as MODEL_SOURCE
 from decoding.forward_timer import ForwardTimer
@@ -57,7 +57,7 @@ from decoding.request import (
     speculation_supported,
     validate,
 )
-from decoding.sampling import probs_from_logits, select_token
+from decoding.sampling import select_token
 from decoding.sequence import SequenceState, make_drafters
 from decoding.stats import CycleInfo, GenerationStats, StatsMark
 from decoding.step_driver import Cycle, CycleResult, ForwardNeed, StepBatch
@@ -108,6 +108,7 @@ class Engine:
         # Tokens one step forwards beyond which no further prefill chunk is admitted (vLLM's
         # max_num_batched_tokens); decode and verify tokens are scheduled first and never cut.
         self.max_num_batched_tokens = max_num_batched_tokens
+        self._load: policies.StepLoad | None = None  # while a packed step's cycles decide
 
     # -- public API ---------------------------------------------------------------------
 
@@ -193,10 +194,18 @@ class Engine:
         scheduled: list[tuple[SequenceState, StatsMark, bool]] = []
         self._packing = pack  # one forward's time is no single sequence's cost
         try:
+            # The oldest waiting prompt's chunk always runs: the decode cycles decide their γ
+            # knowing it shares the forward (StepLoad), and so does every cycle before them.
+            waiting = next((seq for seq in sequences if not seq.prefilled), None)
+            reserved = self._next_prompt_chunk_end(waiting) - len(waiting.kv) if waiting is not None else 0
+            self._load = policies.StepLoad() if pack else None
             for seq in sequences:  # decode and verify tokens first
                 if seq.prefilled:
                     scheduled.append((seq, seq.stats.mark(), True))
+                    if self._load is not None:
+                        self._load.tokens = batch.tokens + reserved
                     batch.add(self._advance(seq))
+            self._load = None
             admitted_prefill = False
             for seq in sequences:  # then prompt chunks, the oldest waiting always
                 if seq.prefilled:
@@ -209,7 +218,7 @@ class Engine:
                 batch.add(self._prefill_chunk(seq, end))
             results = batch.run()
         finally:
-            self._packing = False
+            self._packing, self._load = False, None
         events = []
         for (seq, mark, was_prefilled), result in zip(scheduled, results, strict=True):
             cycle = seq.stats.cycle_since(mark, was_prefilled)
@@ -243,7 +252,11 @@ class Engine:
         """One decode cycle of ``seq``: a generator yielding the target forward it needs."""
         remaining = seq.request.max_tokens - seq.output_len
         plan = seq.policy.plan(remaining, len(self._active))
+        if plan.gamma and self._load is not None:  # verify tokens count against the step's budget
+            room = self.max_num_batched_tokens - self._load.tokens - 1
+            plan = plan if room >= plan.gamma else policies.Decision(max(room, 0), policies.BATCH_SATURATED)
         if plan.gamma == 0:
+            self._expect(1.0)
             return (yield from self._plain_step(seq, plan.reason))
         off_reason: str | None = policies.NO_PROPOSAL
         best: tuple[Decision, Drafter, Draft | None] | None = None
@@ -256,14 +269,16 @@ class Engine:
             if best is not None and seq.policy.mode != "auto":
                 break  # "on": the first drafter with a proposal, in order of preference
         if best is None:
+            self._expect(1.0)
             return (yield from self._plain_step(seq, off_reason))
         choice, drafter, draft = best
+        self._expect(choice.expected)
         if draft is None:  # a costly drafter is only asked once it has won
             draft = self._propose(seq, drafter, choice.gamma)
             if not draft.tokens:
                 return (yield from self._plain_step(seq, policies.NO_PROPOSAL))
         seq.stats.probe_cycles += choice.reason == "probe"
-        return (yield from self._speculative_step(seq, _truncate(draft, choice.gamma)))
+        return (yield from self._speculative_step(seq, draft.truncated(choice.gamma)))
 
     def _consider(
         self, seq: SequenceState, drafter: Drafter, cap: int, remaining: int
@@ -278,12 +293,18 @@ class Engine:
                 setup_tokens=0 if len(drafter.kv) else len(seq.tokens),
                 remaining_tokens=remaining,
                 min_output_tokens=seq.request.min_tokens_for_speculation,
+                load=self._load,
             )
             return choice, None
         draft = self._propose(seq, drafter, cap)
         if not draft.tokens:
             return Decision(0, policies.NO_PROPOSAL), None
-        return seq.policy.for_draft(draft.source, len(draft.tokens), draft.match_ngram), draft
+        return seq.policy.for_draft(draft.source, len(draft.tokens), draft.match_ngram, self._load), draft
+
+    def _expect(self, committed: float) -> None:
+        """Note what the cycle deciding now is expected to commit, for the cycles after it."""
+        if self._load is not None:
+            self._load.committed += committed
 
     def _propose(self, seq: SequenceState, drafter: Drafter, gamma: int) -> Draft:
         with seq.stats.timed("draft"):
@@ -343,7 +364,7 @@ class Engine:
         if seq.grammar is not None:  # candidates after the first ungrammatical one are never verified
             with seq.stats.timed("grammar"):
                 valid_len, bitmask = seq.grammar.advance_chain(draft.tokens)
-            draft = _truncate(draft, valid_len)
+            draft = draft.truncated(valid_len)
             if not draft.tokens:
                 return (yield from self._plain_step(seq, policies.GRAMMAR_REJECTED))
         kept_before = len(seq.kv)
@@ -363,7 +384,7 @@ class Engine:
             with seq.stats.timed("grammar"):
                 target_logits = mask_logits(target_logits, bitmask)
         with seq.stats.timed("accept"):
-            accepted_len, committed = self._accept(seq, draft, target_logits)
+            accepted_len, committed = accept_draft(draft, target_logits, seq.request.sampling, seq.generator)
         if seq.grammar is not None:
             with seq.stats.timed("grammar"):
                 seq.grammar.settle(len(draft.tokens), committed)
@@ -375,20 +396,6 @@ class Engine:
         seq.policy.observe(draft.source, len(draft.tokens), accepted_len, draft.match_ngram)
         seq.stats.record_verify(len(draft.tokens), accepted_len, draft.source)
         return seq.commit(committed)
-
-    def _accept(self, seq: SequenceState, draft: Draft, target_logits: torch.Tensor) -> tuple[int, list[int]]:
-        draft_tokens = torch.tensor(draft.tokens, dtype=torch.long, device=target_logits.device)
-        sampling = seq.request.sampling
-        if sampling.greedy:
-            accepted_len, committed = greedy_accept(draft_tokens, target_logits)
-        else:
-            target_probs = probs_from_logits(target_logits, sampling)
-            draft_probs = None if draft.probs is None else draft.probs.to(target_probs.device)
-            if draft_probs is None:  # a deterministic drafter: q is one-hot on its token
-                draft_probs = target_probs.new_zeros(len(draft.tokens), target_probs.shape[-1])
-                draft_probs.scatter_(1, draft_tokens[:, None], 1.0)
-            accepted_len, committed = speculative_accept(draft_tokens, draft_probs, target_probs, seq.generator)
-        return accepted_len, committed.tolist()
 
     def _mask_next(self, seq: SequenceState, logits: torch.Tensor) -> torch.Tensor:
         if seq.grammar is None:
@@ -415,10 +422,3 @@ class Engine:
             for drafter in seq.drafters:
                 if isinstance(drafter, ModelDrafter):
                     self.draft_prefix_cache.insert(drafter.kv)
-
-
-def _truncate(draft: Draft, gamma: int) -> Draft:
-    if gamma >= len(draft.tokens):
-        return draft
-    probs = draft.probs[:gamma] if draft.probs is not None else None
-    return Draft(draft.tokens[:gamma], probs, draft.source, draft.match_ngram)

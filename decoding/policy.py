@@ -46,7 +46,9 @@ LOW_ACCEPTANCE = "low_acceptance"  # the measured acceptance makes a plain step 
 NO_PROPOSAL = "no_proposal"  # the drafter had nothing to offer
 GRAMMAR_REJECTED = "grammar_rejected"  # the grammar rejected the first candidate
 
-FORWARD_TOKEN_COUNTS = (1, 2, 4, 8, 16)
+# 64: a packed step's forward carries several sequences' tokens, and a verify's marginal
+# cost there is read from this curve beyond 16 (StepLoad).
+FORWARD_TOKEN_COUNTS = (1, 2, 4, 8, 16, 64)
 SOURCE_KINDS = frozenset({"output", "prompt", "model", "grammar"})  # every other source is a passage
 
 
@@ -203,14 +205,34 @@ def source_kind(key: str) -> str:
     return f"{kind}{at}{bucket}"
 
 
+@dataclass
+class StepLoad:
+    """What the shared forward of a packed step already carries when a sequence decides:
+    ``tokens`` scheduled so far and the tokens they are expected to commit. Alone, both 0."""
+
+    tokens: int = 0
+    committed: float = 0.0
+
+
 def best_gamma(
-    estimate: AcceptanceEstimate, cost: CostModel, draft_token_seconds: float, max_gamma: int
+    estimate: AcceptanceEstimate,
+    cost: CostModel,
+    draft_token_seconds: float,
+    max_gamma: int,
+    load: StepLoad | None = None,
 ) -> tuple[int, float]:
-    """The γ in 0..max_gamma with the highest expected committed tokens per second."""
-    best, best_rate = 0, 1.0 / cost.forward_seconds(1)
+    """The γ in 0..max_gamma with the highest expected committed tokens per second.
+
+    In a packed step the rate is the whole step's: every sequence already in it waits for
+    the forward that γ more tokens lengthen, so γ must raise the step's committed tokens
+    per second, (committed + E[γ]) / C(tokens + γ + 1) against (committed + 1) / C(tokens + 1).
+    Alone (no load) this is the batch-1 rule E[γ] / C(γ + 1) against 1 / C(1).
+    """
+    load = load or StepLoad()
+    best, best_rate = 0, (load.committed + 1.0) / cost.forward_seconds(load.tokens + 1)
     for gamma in range(1, max_gamma + 1):
-        seconds = gamma * draft_token_seconds + cost.forward_seconds(gamma + 1)
-        rate = estimate.expected_committed(gamma) / seconds
+        seconds = gamma * draft_token_seconds + cost.forward_seconds(load.tokens + gamma + 1)
+        rate = (load.committed + estimate.expected_committed(gamma)) / seconds
         if rate > best_rate:
             best, best_rate = gamma, rate
     return best, best_rate
@@ -221,6 +243,7 @@ class Decision:
     gamma: int  # 0: a plain step
     reason: str | None = None  # why not speculating, or "probe"
     rate: float = 0.0  # expected committed tokens per second (auto only), to compare drafters
+    expected: float = 1.0  # tokens the cycle is expected to commit (auto only)
 
 
 class RequestPolicy:
@@ -272,11 +295,11 @@ class RequestPolicy:
             return Decision(0, BATCH_SATURATED)
         return Decision(cap)
 
-    def for_draft(self, source: str, proposed: int, match_ngram: int = 0) -> Decision:
+    def for_draft(self, source: str, proposed: int, match_ngram: int = 0, load: StepLoad | None = None) -> Decision:
         """How many of ``proposed`` free (prompt-lookup) draft tokens to verify."""
         if self.mode != "auto":
             return Decision(proposed)
-        return self._choose(estimate_key(source, match_ngram), proposed, 0.0)
+        return self._choose(estimate_key(source, match_ngram), proposed, 0.0, load)
 
     def for_costly_drafter(
         self,
@@ -286,6 +309,7 @@ class RequestPolicy:
         setup_tokens: int,
         remaining_tokens: int,
         min_output_tokens: int | None = None,
+        load: StepLoad | None = None,
     ) -> Decision:
         """How many tokens a drafter that costs time per token (a model) should draft.
 
@@ -295,7 +319,7 @@ class RequestPolicy:
             return Decision(cap)
         if remaining_tokens < self.short_output_threshold(setup_tokens, min_output_tokens):
             return Decision(0, SHORT_OUTPUT)
-        return self._choose(source, cap, cost_per_token)
+        return self._choose(source, cap, cost_per_token, load)
 
     def observe(self, source: str, gamma: int, accepted_len: int, match_ngram: int = 0) -> None:
         key = estimate_key(source, match_ngram)
@@ -318,14 +342,14 @@ class RequestPolicy:
             return 1 << 30  # speculation would not pay at any length
         return math.ceil(setup_tokens * self.cost.draft_prefill_token_seconds / saving_per_token)
 
-    def _choose(self, source: str, cap: int, draft_cost_per_token: float) -> Decision:
+    def _choose(self, source: str, cap: int, draft_cost_per_token: float, load: StepLoad | None) -> Decision:
         estimate = self.estimate(source)
         if self.cost is None:
             return Decision(cap)
-        gamma, rate = best_gamma(estimate, self.cost, draft_cost_per_token, cap)
+        gamma, rate = best_gamma(estimate, self.cost, draft_cost_per_token, cap, load)
         if gamma > 0:
             estimate.declined = 0
-            return Decision(gamma, rate=rate)
+            return Decision(gamma, rate=rate, expected=estimate.expected_committed(gamma))
         estimate.declined += 1
         if estimate.observed == 0 or estimate.declined > self.config.probe_interval:
             estimate.declined = 0

@@ -178,3 +178,16 @@ def test_a_carried_estimate_that_declines_still_gets_one_verify_of_the_new_reque
     assert second.for_draft("output", 6, match_ngram=2) == policy.Decision(2, "probe")  # its own first look
     second.observe("output", 2, 0, match_ngram=2)
     assert second.for_draft("output", 6, match_ngram=2) == policy.Decision(0, policy.LOW_ACCEPTANCE)
+
+
+def test_in_a_loaded_step_gamma_must_raise_the_whole_steps_rate() -> None:
+    """A packed step's extra verify tokens slow every sequence in it: where the forward's
+    cost climbs steeply with its token count, a draft that pays alone is declined under
+    load, and a light load keeps it."""
+    steep = CostModel({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.4, 64: 4.0})
+    estimate = AcceptanceEstimate(0.8, 0.3)
+    assert best_gamma(estimate, steep, 0.0, 8)[0] == 8
+    assert best_gamma(estimate, steep, 0.0, 8, policy.StepLoad(tokens=4, committed=4.0))[0] == 8
+    assert best_gamma(estimate, steep, 0.0, 8, policy.StepLoad(tokens=40, committed=40.0))[0] == 0
+    alone = best_gamma(estimate, steep, 0.0, 8)
+    assert best_gamma(estimate, steep, 0.0, 8, policy.StepLoad()) == alone  # no load: the batch-1 rule

@@ -183,3 +183,32 @@ def test_the_stall_benchmark_reports_the_decoders_gaps_until_the_long_prompts_fi
     result = json.loads(capsys.readouterr().out)
     assert result["steps_to_first_token"] == 2  # 256 + 44 prompt tokens
     assert 0 < result["itl_p50_s"] <= result["itl_p99_s"] <= result["itl_max_s"] <= result["long_prompt_ttft_s"]
+
+
+def test_verify_tokens_count_against_the_budget_of_a_packed_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    from decoding import step_driver
+
+    target = tiny(True)
+    sizes: list[list[int]] = []
+    real = step_driver.packed_forward
+
+    def counted(lm: CausalLM, chunks: list) -> list[torch.Tensor]:
+        sizes.append([len(chunk.token_ids) for chunk in chunks])
+        return real(lm, chunks)
+
+    monkeypatch.setattr(step_driver, "packed_forward", counted)
+    prompt = [3, 17, 5, 22, 9, 31, 4, 8] * 4  # repetitive: prompt lookup always proposes
+    requests = [request(prompt, max_tokens=20, speculation="on", num_speculative_tokens=8) for _ in range(3)]
+    engine = Engine(target, debug=True, min_ngram=1, max_num_batched_tokens=12)
+    ids = [engine.add(one) for one in requests]
+    outputs: dict[int, list[int]] = {seq_id: [] for seq_id in ids}
+    while engine.has_unfinished():
+        for event in engine.step():
+            outputs[event.seq_id] += event.token_ids
+    decode_steps = [step for step in sizes if len(step) == 3 and max(step) <= 9]  # no prompt chunk in them
+    assert any(step[0] == 9 for step in decode_steps)
+    for step in decode_steps:  # each chain fits what the earlier ones left; a plain token is never cut
+        assert all(size <= max(1, 12 - sum(step[:index])) for index, size in enumerate(step))
+    assert [1, 1, 32] in sizes  # beside the oldest prompt's chunk, the others verify nothing
+    for seq_id, one in zip(ids, requests, strict=True):
+        assert outputs[seq_id] == alone(target, one)

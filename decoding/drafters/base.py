@@ -21,6 +21,13 @@ class Draft:
     source: str
     match_ngram: int = 0
 
+    def truncated(self, gamma: int) -> Draft:
+        """The first ``gamma`` tokens (and their distributions)."""
+        if gamma >= len(self.tokens):
+            return self
+        probs = self.probs[:gamma] if self.probs is not None else None
+        return Draft(self.tokens[:gamma], probs, self.source, self.match_ngram)
+
 
 class Drafter(Protocol):
     def propose(self, context: Sequence[int], max_tokens: int) -> Draft:
