@@ -7,11 +7,10 @@ Writes report.json (config, summary, every record), report.md and four PNG plots
 With --compare-off each question is also answered with speculation off, right after the
 speculative run of the same question (so the machine's load hits both alike): greedy answers
 must be identical, and the report says whether they were and what speculation bought. Both
-passes then start from an empty prefix cache: otherwise the second pass would prefill only
-the prompt's last tokens on top of the first pass's cached KV, and in bfloat16 a prefill cut
-there rounds differently from a whole one (smollm2, bf16: 29 of 71 answers differed that
-way; the three rerun from empty caches matched with speculation on and off), which says
-nothing about speculation.
+passes start from an empty prefix cache, so the comparison is of speculation alone; with
+--shared-prefix-cache the off pass reuses the on pass's cached prompt instead (before prompt
+rows were attended in aligned blocks, a prefill cut there rounded differently in bfloat16:
+29 of 71 smollm2 answers differed that way; now none).
 Exit status 1 when --min-groundedness is given and missed (a CI gate); 2 for bad options.
 """
 
@@ -304,6 +303,7 @@ def _report(
         "abstain_threshold": args.abstain_threshold,
         "measure_answerability": args.measure_answerability,
         "citations": args.citations,
+        "shared_prefix_cache": args.shared_prefix_cache,
         "citation_min_similarity": _effective_min_similarity(args),
         "nli": str(args.nli) if args.nli else None,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip()
