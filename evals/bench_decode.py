@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +31,7 @@ from decoding.model import load_model
 from decoding.policy import PolicyConfig
 from decoding.sampling import SamplingParams
 from evals import workloads
-from evals.bench_runs import METHODS, MethodRunner, Row, machine, position_sums, summarise
+from evals.bench_runs import METHODS, MethodRunner, Row, machine, position_sums, summarise, write_outputs
 
 QUICK = {
     "workloads": ["rag_quote"],
@@ -187,10 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         decoding = f"sampled at T={args.temperature}, top-p {args.top_p}, seeds 0..{repeats - 1}"
     print(f"model {args.model} ({target.dtype}), draft {args.draft}, {repeats} repeat(s), medians, {decoding}")
     print_table(results)
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(info, indent=2))
-    if args.plot_path:
-        plot(results, args.plot_path)
+    write_outputs(info, args.json_path, args.plot_path, lambda path: plot(results, path))
     return 0
 
 

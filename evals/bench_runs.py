@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import platform
 import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -225,3 +227,11 @@ def summarise(rows: list[Row], runner: MethodRunner) -> list[dict[str, Any]]:
             }
         )
     return results
+
+
+def write_outputs(report: dict[str, Any], json_path: str | None, plot_path: str | None, plot: Any) -> None:
+    """A benchmark's JSON report and PNG, where asked for (``plot(path)`` draws the PNG)."""
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=2))
+    if plot_path:
+        plot(plot_path)

@@ -27,14 +27,13 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from evals import workloads
-from evals.bench_runs import machine
+from evals.bench_runs import machine, write_outputs
 
 MODES = ("off", "on", "auto")
 MIX = ("rag_quote", "rag_explain", "code_edit", "chat_open")
@@ -298,10 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args)
     print(f"model {report['model']} ({report['dtype']}), {args.duration:g} s of arrivals per rate, medians per request")
     print_table(report)
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(report, indent=2))
-    if args.plot_path:
-        plot(report, args.plot_path)
+    write_outputs(report, args.json_path, args.plot_path, lambda path: plot(report, path))
     return 0
 
 
