@@ -151,21 +151,25 @@ class CausalLM:
         kv.record(token_ids)
         return output.logits[0].float()
 
+    def forward_prompt(self, kv: SequenceKV, token_ids: Sequence[int]) -> torch.Tensor:
+        """Append prompt rows (one prefill chunk) to ``kv``, attended as prompt rows
+        (``fast_paths.attend_prompt_blocks``) where the packed call works; the last row's logits [1, V]."""
+        if not self.packs_prompts:
+            return self.forward(kv, token_ids, last_only=True)
+        from decoding.packed import Chunk, packed_forward  # packed calls back into this model
+
+        return packed_forward(self, [Chunk(kv, token_ids, prompt=True, last_only=True)])[0]
+
     def prefill(self, kv: SequenceKV, token_ids: Sequence[int]) -> torch.Tensor:
         """Forward prompt rows after what ``kv`` holds, in the chunks the engine cuts
         (``prompt_chunk_end``), attended as prompt rows; returns the last position's logits [V]."""
         if not token_ids:
             raise ValueError("prefill needs a non-empty prompt")
-        from decoding.packed import Chunk, packed_forward  # packed calls back into this model
-
         start, total, done = len(kv), len(kv) + len(token_ids), 0
         while start < total:
             end = prompt_chunk_end(start, total)
             piece = token_ids[done : done + end - start]
-            if self.packs_prompts:
-                logits = packed_forward(self, [Chunk(kv, piece, prompt=True, last_only=True)])[0]
-            else:
-                logits = self.forward(kv, piece, last_only=True)
+            logits = self.forward_prompt(kv, piece)
             done, start = done + len(piece), end
         return logits[-1]
 

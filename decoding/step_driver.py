@@ -44,10 +44,10 @@ class CycleResult:
 
 
 def forward_alone(target: CausalLM, need: ForwardNeed) -> torch.Tensor:
-    """A need's own forward. Prompt rows always go through the packed call, so a prefill
-    chunk gets the same attention alone as beside other sequences."""
-    if need.prompt and target.packs_prompts:
-        return packed_forward(target, [Chunk(need.kv, need.token_ids, prompt=True, last_only=need.last_only)])[0]
+    """A need's own forward. Prompt rows go through the packed call (``forward_prompt``),
+    so a prefill chunk gets the same attention alone as beside other sequences."""
+    if need.prompt:
+        return target.forward_prompt(need.kv, need.token_ids)
     return target.forward(need.kv, need.token_ids, last_only=need.last_only)
 
 

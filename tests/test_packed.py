@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from decoding import packed
 from decoding.model import CausalLM
 from decoding.packed import Chunk, packed_forward
 from tests.conftest import tiny_causal_lm
@@ -109,6 +110,7 @@ def test_an_engine_step_over_many_sequences_is_one_packed_forward_and_changes_no
         return real(lm, chunks)
 
     monkeypatch.setattr(step_driver, "packed_forward", counted)
+    monkeypatch.setattr(packed, "packed_forward", counted)  # a prefill chunk alone: CausalLM.forward_prompt
     prompts = [[(7 * seed + 3 * i) % 48 for i in range(10 + 3 * seed)] * 2 for seed in range(4)]
     requests = [
         GenerationRequest(
