@@ -10,15 +10,18 @@ where a vLLM metric exists (``vllm:spec_decode_num_drafts`` becomes
   recorded by ``MetricsMiddleware`` around every matched route;
 - ``specrag:time_to_first_token_seconds{endpoint}``, ``specrag:inter_token_latency_seconds``,
   ``specrag:request_queue_time_seconds`` (submit to the start of prefill in the engine worker);
-- ``specrag:prompt_tokens_total``, ``specrag:generation_tokens_total``;
+- ``specrag:prompt_tokens_total``, ``specrag:generation_tokens_total``,
+  ``specrag:target_calls_total`` (chat completions: generation tokens over target calls is
+  the committed tokens per target call);
 - ``specrag:spec_decode_num_drafts_total``, ``..._num_draft_tokens_total``,
   ``..._num_accepted_tokens_total``, ``..._num_accepted_tokens_per_pos_total{position}``:
   from a chat completion's ``GenerationStats``, or from an agent run's trace (its
   ``speculation_cycle`` events), since the agent loop does not hand out per-step stats;
 - ``specrag:prefix_cache_queries_total`` / ``specrag:prefix_cache_hits_total`` (tokens) and
   ``specrag:num_requests_in_flight``, ``specrag:num_requests_running`` (past their prefill) and
-  ``specrag:num_requests_waiting`` (queued, or waiting for prefill chunks; vLLM's names), read
-  from the engine at scrape time.
+  ``specrag:num_requests_waiting`` (queued, or waiting for prefill chunks; vLLM's names),
+  ``specrag:kv_cache_usage_perc`` (the fraction of the KV block pool held, 0..1 as vLLM's),
+  read from the engine at scrape time.
 """
 
 from __future__ import annotations
@@ -66,6 +69,10 @@ class ServerMetrics:
         )  # fmt: skip
         self.prompt_tokens = Counter("specrag:prompt_tokens", "Prompt tokens processed", registry=registry)
         self.generation_tokens = Counter("specrag:generation_tokens", "Tokens generated", registry=registry)
+        self.target_calls = Counter(
+            "specrag:target_calls", "Target forwards per sequence (a packed forward counts for each it serves)",
+            registry=registry,
+        )  # fmt: skip
         self.drafts = Counter("specrag:spec_decode_num_drafts", "Draft-verify cycles", registry=registry)
         self.draft_tokens = Counter("specrag:spec_decode_num_draft_tokens", "Tokens drafted", registry=registry)
         self.accepted = Counter("specrag:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=registry)
@@ -86,6 +93,7 @@ class ServerMetrics:
         """Token and speculation counters of one finished generation."""
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generation_tokens.inc(stats.output_tokens)
+        self.target_calls.inc(stats.target_calls)
         self._speculation(
             sum(1 for gamma in stats.gamma_per_cycle if gamma), stats.drafted_tokens, stats.acceptance_by_position
         )
@@ -146,7 +154,11 @@ class _EngineCollector(Collector):
             "specrag:num_requests_waiting", "Generations queued or waiting for their prompt's prefill chunks"
         )
         waiting_gauge.add_metric([], float(waiting))
-        yield from (queries, hits, in_flight, running_gauge, waiting_gauge)
+        usage = GaugeMetricFamily(
+            "specrag:kv_cache_usage_perc", "Fraction of the KV block pool held by sequences (1 = full)"
+        )
+        usage.add_metric([], float(engine.kv_cache_usage()) if hasattr(engine, "kv_cache_usage") else 0.0)
+        yield from (queries, hits, in_flight, running_gauge, waiting_gauge, usage)
 
 
 class MetricsMiddleware:

@@ -109,6 +109,12 @@ def plan_chat(agent: Any, body: ChatCompletionRequest, limits: ServerLimits) -> 
         logits_processors=_penalty_processors(body, len(prompt)),
         grammar=grammar,
     )
+    kv = getattr(agent.engine, "kv", None)
+    try:
+        if kv is not None:
+            kv.check_fits(request)  # a request the KV pool could never hold waits forever otherwise
+    except ValueError as error:
+        raise invalid("max_tokens", str(error), code="context_length_exceeded") from None
     parameters = {tool.function.name: tool.function.parameters or EMPTY_PARAMETERS for tool in tools}
     response_schema = _response_schema(body, tools)
     return ChatPlan(body, prompt, request, tool_names, stops, response_schema, parameters, call_format)

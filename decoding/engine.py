@@ -25,9 +25,11 @@ sequence with an error event; the others go on.
 The policy (``decoding/policy.py``) decides each cycle's γ; every forward's wall time is
 fed back into its cost model, around the maths, never inside it.
 
-With ``prefix_cache`` (``decoding/prefix_cache.py``) a prefill starts from the longest
-cached block-aligned prefix of the prompt (target and draft model alike), and a finished
-sequence leaves its blocks behind for follow-up turns.
+KV lives in a bounded pool of blocks (``decoding/kv_manager.py``): a waiting sequence
+starts its prefill only once the pool has promised it every block it may need, so a
+running one never runs out. With ``prefix_cache`` a prefill starts from the longest cached
+block-aligned prefix of the prompt, shared by reference (target and draft model alike),
+and a finished sequence leaves its blocks behind for follow-up turns.
 """
 
 from __future__ import annotations
@@ -46,9 +48,10 @@ from decoding.drafters import Draft, Drafter, ModelDrafter
 from decoding.drafters.model_drafter import SOURCE as MODEL_SOURCE
 from decoding.forward_timer import ForwardTimer
 from decoding.grammar import GrammarState, mask_logits
+from decoding.kv_manager import KVManager
 from decoding.model import PREFILL_CHUNK_TOKENS, CausalLM, prompt_chunk_end
 from decoding.policy import CostModel, Decision, PolicyConfig, RequestPolicy
-from decoding.prefix_cache import PrefixCache, prefix_caches_for, restore, supports_prefix_cache
+from decoding.prefix_cache import PrefixCache
 from decoding.request import (
     DrafterKind,
     GenerationEvent,
@@ -80,6 +83,7 @@ class Engine:
         debug: bool | None = None,
         pack: bool = True,
         max_num_batched_tokens: int = 2 * PREFILL_CHUNK_TOKENS,
+        kv_cache_bytes: int | None = None,
     ) -> None:
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise ValueError(
@@ -94,7 +98,8 @@ class Engine:
         self.policy_config = policy or PolicyConfig()
         self.cost_model = cost_model
         self.debug = debug if debug is not None else os.environ.get("SPECRAG_DEBUG") == "1"
-        self.prefix_cache, self.draft_prefix_cache = prefix_caches_for(prefix_cache, target, draft)
+        self.kv = KVManager(target, draft, prefix_cache, kv_cache_bytes)
+        self.prefix_cache, self.draft_prefix_cache = self.kv.prefix_cache, self.kv.draft_prefix_cache
         self._eos_ids = frozenset(target.eos_token_ids())
         self._active: dict[int, SequenceState] = {}
         self._ids = itertools.count()
@@ -115,6 +120,7 @@ class Engine:
     def add(self, request: GenerationRequest) -> int:
         """Queue a request; returns its sequence id. Raises ValueError on bad input."""
         drafter_kind = validate(request, self.default_drafter, self.draft is not None)
+        self.kv.check_fits(request)
         if request.speculation == "auto" and self.cost_model is None:
             self.calibrate()
         seq_id = next(self._ids)
@@ -134,7 +140,7 @@ class Engine:
             seq_id=seq_id,
             request=request,
             tokens=list(request.prompt_tokens),
-            kv=self.target.new_kv(),
+            kv=self.kv.new_kv(),
             drafters=make_drafters(
                 request,
                 drafter_kind,
@@ -142,6 +148,7 @@ class Engine:
                 grammar,
                 ngram=(self.min_ngram, self.max_ngram),
                 draft=self.draft,
+                draft_kv=self.kv.new_draft_kv,
                 draft_prefix_cache=self.draft_prefix_cache,
             ),
             policy=request_policy,
@@ -158,7 +165,9 @@ class Engine:
 
     def cancel(self, seq_id: int) -> None:
         """Stop a sequence and free its KV now."""
-        self._active.pop(seq_id, None)
+        seq = self._active.pop(seq_id, None)
+        if seq is not None:
+            seq.release_kv()
 
     def has_unfinished(self) -> bool:
         return bool(self._active)
@@ -166,6 +175,10 @@ class Engine:
     def num_running(self) -> int:
         """Sequences past their prefill (vLLM's num_requests_running counts these)."""
         return sum(seq.prefilled for seq in list(self._active.values()))  # list(): read from other threads
+
+    def kv_cache_usage(self) -> float:
+        """Fraction of the KV pool held by sequences, 0..1."""
+        return self.kv.usage()
 
     def num_waiting(self) -> int:
         """Sequences whose prompt is not all in the cache yet (waiting for prefill chunks)."""
@@ -197,7 +210,8 @@ class Engine:
             # The oldest waiting prompt's chunk always runs: the decode cycles decide their γ
             # knowing it shares the forward (StepLoad), and so does every cycle before them.
             waiting = next((seq for seq in sequences if not seq.prefilled), None)
-            reserved = self._next_prompt_chunk_end(waiting) - len(waiting.kv) if waiting is not None else 0
+            waiting_end = self._next_prompt_chunk_end(waiting) if waiting is not None else None
+            reserved = waiting_end - len(waiting.kv) if waiting is not None and waiting_end is not None else 0
             self._load = policies.StepLoad() if pack else None
             for seq in sequences:  # decode and verify tokens first
                 if seq.prefilled:
@@ -211,6 +225,8 @@ class Engine:
                 if seq.prefilled:
                     continue
                 end = self._next_prompt_chunk_end(seq)
+                if end is None:  # the pool cannot promise its blocks yet: it and later ones wait
+                    break
                 if admitted_prefill and batch.tokens + end - len(seq.kv) > self.max_num_batched_tokens:
                     break
                 admitted_prefill = True
@@ -219,11 +235,17 @@ class Engine:
             results = batch.run()
         finally:
             self._packing, self._load = False, None
+        if self.cost_model is not None and batch.packed_seconds is not None:
+            # A forward over T tokens, whoever's they were: the curve StepLoad reads C(T) from.
+            self.cost_model.observe_forward(batch.packed_tokens, batch.packed_seconds)
         events = []
         for (seq, mark, was_prefilled), result in zip(scheduled, results, strict=True):
             cycle = seq.stats.cycle_since(mark, was_prefilled)
             if result.error is not None or result.tokens or seq.finish_reason is not None:
                 events.append(self._event(seq, result, cycle))
+        if self.debug:  # no KV block leaked, double-owned or taken beyond a promise
+            active = list(self._active.values())
+            self.kv.check([seq.kv for seq in active], [kv for seq in active for kv in seq.draft_kvs()])
         return events
 
     def _event(self, seq: SequenceState, result: CycleResult, cycle: CycleInfo) -> GenerationEvent:
@@ -235,7 +257,8 @@ class Engine:
             seq.stats.output_tokens = seq.output_len
             del self._active[seq.seq_id]
             if result.error is None:
-                self._cache_finished(seq)
+                self.kv.cache_finished(seq.kv, seq.draft_kvs())
+            seq.release_kv()
         elif self.debug:
             seq.check_invariants()
         return GenerationEvent(
@@ -314,17 +337,17 @@ class Engine:
                 self.cost_model.observe_draft_token((time.perf_counter() - start) / len(draft.tokens))
         return draft
 
-    def _next_prompt_chunk_end(self, seq: SequenceState) -> int:
-        """Where ``seq``'s next prefill chunk ends; the first call restores the longest
-        cached prefix of its prompt (a hit ends on a block boundary, so on a chunk's)."""
-        if not seq.restored:
-            seq.restored = True
-            if self.prefix_cache is not None and supports_prefix_cache(seq.kv):
-                with seq.stats.timed("prefill"):
-                    cached_len, segment = self.prefix_cache.lookup(seq.tokens[:-1])
-                    if segment is not None:
-                        restore(seq.kv, seq.tokens, segment)
-                seq.stats.cached_prompt_tokens = cached_len
+    def _next_prompt_chunk_end(self, seq: SequenceState) -> int | None:
+        """Where ``seq``'s next prefill chunk ends, or None while the KV pool cannot admit it.
+        Admission starts the cache from the longest cached prefix of the prompt (a hit ends
+        on a block boundary, so on a chunk's) and reserves the blocks the rest may need."""
+        if not seq.admitted:
+            with seq.stats.timed("prefill"):
+                cached_len = self.kv.admit(seq.request, seq.kv, seq.draft_kvs())
+            if cached_len is None:
+                return None
+            seq.admitted = True
+            seq.stats.cached_prompt_tokens = cached_len
         return prompt_chunk_end(len(seq.kv), len(seq.tokens))
 
     def _prefill_chunk(self, seq: SequenceState, end: int) -> Cycle:
@@ -335,7 +358,7 @@ class Engine:
             seq.stats.target_calls += 1
             if end < len(seq.tokens):
                 return []
-            if self.prefix_cache is not None and supports_prefix_cache(seq.kv):
+            if self.prefix_cache is not None:
                 self.prefix_cache.insert(seq.kv)  # the next request sharing the prompt hits
             logits = apply_processors(seq.request.logits_processors, seq.tokens, logits)
         logits = self._mask_next(seq, logits)
@@ -411,14 +434,3 @@ class Engine:
     def _observe_forward(self, tokens: int, start: float) -> None:
         if self.cost_model is not None and not self._packing:
             self.cost_model.observe_forward(tokens, time.perf_counter() - start)
-
-    # -- set-up and checks --------------------------------------------------------------
-
-    def _cache_finished(self, seq: SequenceState) -> None:
-        """Keep the finished conversation's blocks: a follow-up turn extends it."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.insert(seq.kv)
-        if self.draft_prefix_cache is not None:
-            for drafter in seq.drafters:
-                if isinstance(drafter, ModelDrafter):
-                    self.draft_prefix_cache.insert(drafter.kv)

@@ -8,6 +8,10 @@ transformers' ``DynamicLayer`` appends with ``torch.cat``, copying the whole cac
 forward; at 4k tokens of context that copy dominated a decode step here. ``GrowableLayer``
 writes into a buffer whose capacity doubles, hands out views of the filled part, and crops
 by moving the length back, so a step costs O(new tokens) and a rollback O(1).
+
+An engine's sequences keep their KV in a shared pool of blocks instead (``PagedLayer``,
+``BlockTable``, ``decoding/kv_pool.py``): bounded memory, prefix blocks shared by
+reference, rollback that frees whole blocks.
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
-# Capacities are multiples of this (a multiple of fast_paths.ROW_EXACT_KEY_BUCKET): row-exact
+from decoding.fast_paths import ROW_EXACT_KEY_BUCKET
+from decoding.kv_pool import KVPool
+
+# Capacities are multiples of this (a multiple of ROW_EXACT_KEY_BUCKET): row-exact
 # attention reads masked padding up to the next bucket from the buffer itself.
 _MIN_CAPACITY = 256
 
@@ -72,19 +79,178 @@ class GrowableLayer(DynamicLayer):
         self.values = self._value_buffer[..., :length, :]
 
 
-def new_cache(config: PretrainedConfig, growable: bool = True) -> DynamicCache:
-    """A DynamicCache whose plain full-attention layers are growable (others stay as they are)."""
+class BlockTable:
+    """One sequence's blocks in a ``KVPool``, in position order, and the blocks the pool has
+    promised it (``reserved``): a sequence admitted with a reservation never finds the pool
+    full, and blocks it frees by rollback go back into its own reservation."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+        self.blocks: list[int] = []
+        self.reserved = 0
+        self._index: torch.Tensor | None = None
+        self._run = False
+
+    def reserve(self, blocks: int) -> bool:
+        if not self.pool.reserve(blocks):
+            return False
+        self.reserved += blocks
+        return True
+
+    def adopt(self, blocks: list[int]) -> None:
+        """Start the table with blocks another holder shares (already retained: a prefix hit)."""
+        if self.blocks:
+            raise ValueError("shared blocks can only start an empty table")
+        self.blocks = list(blocks)
+        self._index = None
+        # The table will never allocate these positions: the promise shrinks by as much.
+        returned = min(self.reserved, len(blocks))
+        self.pool.unreserve(returned)
+        self.reserved -= returned
+
+    def prepare_write(self, start: int, end: int) -> None:
+        """Make positions [start, end) writable: new blocks past the end, and a private copy
+        of any block in the range that is shared (copy-on-write)."""
+        size = self.pool.block_tokens
+        while len(self.blocks) * size < end:
+            self.blocks.append(self._allocate())
+            self._index = None
+        for slot in range(start // size, -(-end // size)):
+            block = self.blocks[slot]
+            if self.pool.is_shared(block):
+                private = self._allocate()
+                self.pool.copy_block(block, private)
+                self.pool.release(block)
+                self.blocks[slot] = private
+                self._index = None
+
+    def truncate(self, length: int) -> None:
+        """Keep the blocks positions [0, length) need; the rest go back to the pool and
+        into this table's reservation."""
+        keep = -(-length // self.pool.block_tokens)
+        dropped = self.blocks[keep:]
+        if dropped:
+            del self.blocks[keep:]
+            self._index = None
+            with self.pool.lock:
+                for block in reversed(dropped):
+                    self.pool.release(block)
+                self.pool.reserved += len(dropped)  # just freed, so the promise holds
+                self.reserved += len(dropped)
+
+    def release(self) -> None:
+        """Give every block and the unspent promise back (the sequence finished or left)."""
+        with self.pool.lock:
+            # Last to first: a chain's head (shared by the most prompts) ends the most
+            # recently used of the evictable blocks, so a chain loses its tail first; a
+            # chain whose head were evicted would be unreachable anyway.
+            for block in reversed(self.blocks):
+                self.pool.release(block)
+            self.pool.unreserve(self.reserved)
+        self.blocks, self.reserved, self._index = [], 0, None
+
+    def read_index(self, device: torch.device) -> tuple[torch.Tensor, bool]:
+        """The block ids as a tensor, and whether they are consecutive (then a slice reads them)."""
+        if self._index is None:
+            self._index = torch.tensor(self.blocks, dtype=torch.long, device=device)
+            self._run = self.blocks == list(range(self.blocks[0], self.blocks[0] + len(self.blocks)))
+        return self._index, self._run
+
+    def _allocate(self) -> int:
+        if self.reserved:
+            self.reserved -= 1
+            return self.pool.allocate(reserved=True)
+        return self.pool.allocate(reserved=False)
+
+
+class PagedLayer(DynamicLayer):
+    """A full-attention cache layer whose positions live in a sequence's pool blocks.
+
+    ``update`` writes the new rows into the blocks and returns the sequence's whole keys
+    and values: a slice of the pool when its blocks are consecutive, else a gather of
+    them. Both hold whole blocks, so row-exact attention finds its masked padding rows
+    (up to the next multiple of 32) in the tensor itself, as with ``GrowableLayer``."""
+
+    def __init__(self, table: BlockTable, layer_idx: int) -> None:
+        super().__init__()
+        self.table = table
+        self.layer_idx = layer_idx
+        self._length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[0] != 1:
+            raise ValueError("a paged cache layer holds one sequence")
+        start, end = self._length, self._length + key_states.shape[-2]
+        self.table.prepare_write(start, end)
+        keys, values = self.table.pool.storage(self.layer_idx)
+        size = self.table.pool.block_tokens
+        position = start
+        while position < end:  # one slice copy per block the new rows touch (usually one)
+            block, offset = self.table.blocks[position // size], position % size
+            stop = min(end, position - offset + size)
+            rows = slice(position - start, stop - start)
+            keys[:, block, offset : offset + stop - position] = key_states[0, :, rows]
+            values[:, block, offset : offset + stop - position] = value_states[0, :, rows]
+            position = stop
+        self._length = end
+        self.keys, self.values = self._read(keys), self._read(values)
+        return self.keys, self.values
+
+    def _read(self, storage: torch.Tensor) -> torch.Tensor:
+        index, consecutive = self.table.read_index(storage.device)
+        heads, _, size, head_dim = storage.shape
+        count = len(self.table.blocks)
+        first = self.table.blocks[0]
+        # A slice reaches past the sequence's last block; row-exact attention may read (masked)
+        # rows up to the next multiple of its bucket, which must then lie inside that block.
+        sliced = consecutive and size % ROW_EXACT_KEY_BUCKET == 0
+        whole = storage[:, first : first + count] if sliced else storage.index_select(1, index)
+        return whole.view(heads, count * size, head_dim)[None, :, : self._length]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes the negative number of tokens to remove")
+        self._length += tokens_to_remove  # the table frees whole blocks (SequenceKV.crop)
+
+    def restore(self, length: int) -> None:
+        """The table was started with ``length`` positions of shared blocks (a prefix hit)."""
+        self._length = length
+        self.is_initialized = True
+
+    def get_seq_length(self) -> int:
+        return self._length
+
+
+def new_cache(config: PretrainedConfig, growable: bool = True, table: BlockTable | None = None) -> DynamicCache:
+    """A DynamicCache whose plain full-attention layers are paged in ``table``'s pool, or
+    growable, or transformers' own (others stay as they are)."""
     cache = DynamicCache(config=config)
-    if growable:
+    if table is not None:
+        cache.layers = [PagedLayer(table, index) for index, _ in enumerate(cache.layers)]
+    elif growable:
         cache.layers = [GrowableLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def pageable(config: PretrainedConfig) -> bool:
+    """Only caches of plain full-attention layers are paged (a sliding window's is not a prefix's KV)."""
+    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
 
 
 class SequenceKV:
     """KV tensors of one sequence plus the ids of the tokens they were computed from."""
 
-    def __init__(self, config: PretrainedConfig, growable: bool = True) -> None:
-        self.cache = new_cache(config, growable)
+    def __init__(self, config: PretrainedConfig, growable: bool = True, pool: KVPool | None = None) -> None:
+        self.table = BlockTable(pool) if pool is not None else None
+        self.cache = new_cache(config, growable, self.table)
         self.token_ids: list[int] = []
 
     def __len__(self) -> int:
@@ -103,7 +269,37 @@ class SequenceKV:
             # transformers 5.x: a negative argument drops that many tokens from the end.
             self.cache.crop(-dropped)
             del self.token_ids[length:]
+            if self.table is not None:
+                self.table.truncate(length)
         return dropped
+
+    def discard_unrecorded(self) -> None:
+        """After a forward that raised part-way: drop the rows some layers appended for
+        tokens that were never recorded, so the cache holds its tokens again."""
+        length = len(self.token_ids)
+        for layer in self.cache.layers:
+            extra = layer.get_seq_length() - length
+            if extra > 0:
+                layer.crop(-extra)
+        if self.table is not None:
+            self.table.truncate(length)
+
+    def adopt(self, blocks: list[int], token_ids: Sequence[int]) -> None:
+        """Start an empty paged cache with shared blocks holding ``token_ids`` (a prefix hit)."""
+        if self.table is None or len(self):
+            raise ValueError("only an empty paged cache adopts shared blocks")
+        self.table.adopt(blocks)
+        for layer in self.cache.layers:
+            layer.restore(len(token_ids))
+        self.token_ids = list(token_ids)
+
+    def release(self) -> None:
+        """Return a paged cache's blocks to the pool; the cache is empty afterwards."""
+        if self.table is not None:
+            self.table.release()
+            for layer in self.cache.layers:
+                layer.restore(0)
+        self.token_ids = []
 
     def cached_length(self) -> int:
         """Length the cache tensors themselves report (for invariant checks)."""

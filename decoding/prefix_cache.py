@@ -6,51 +6,36 @@ walks from the first block until the first miss: the longest cached block-aligne
 Each entry also keeps its tokens and they are compared on a hit, so even a hash collision
 could not hand back another prompt's KV.
 
-Segments are immutable: an entry holds its own copy of the block's keys and values for
-every layer (one tensor, [layers, 2, kv_heads, block_size, head_dim]), and a hit copies
-them into the requesting sequence's cache. Sequences never write into the cache's
-tensors, so concurrent requests sharing a prefix cannot corrupt each other; the price is
-one memory copy per hit, small next to the prefill it saves.
+Blocks are shared by reference. The cache indexes blocks of the engine's KV pool
+(``decoding/kv_pool.py``): ``insert`` names a sequence's full blocks, ``lookup`` hands the
+longest named chain to a new sequence, which holds them (a reference each) and appends
+after them. A named block is never written again: a sequence that must write into one
+copies it first (``BlockTable.prepare_write``). So requests sharing a prefix cannot
+corrupt each other, and a hit costs no copy at all.
 
-Eviction is LRU under a byte budget. A lookup or insert touches a chain's blocks from the
-last to the first, so the first (shared by the most prompts) are the most recently used
-and a chain loses its tail before its head; a chain whose head were evicted would be
-unreachable anyway, since every key depends on its parent.
+Eviction is the pool's: a named block nobody holds stays readable until the pool needs a
+block and has no free one, least recently released first. A sequence gives its blocks
+back from the last to the first (``BlockTable.release``), so a chain's head (shared by
+the most prompts) is the most recently released and a chain loses its tail before its
+head; a chain whose head were evicted would be unreachable anyway, since every key
+depends on its parent.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from transformers.cache_utils import DynamicLayer
 
-from decoding.kv import GrowableLayer, SequenceKV
+from decoding.kv import SequenceKV
+from decoding.kv_pool import DEFAULT_BLOCK_TOKENS, KVPool
 
 if TYPE_CHECKING:
     from decoding.model import CausalLM
-
-DEFAULT_BLOCK_TOKENS = 32
-_MAX_DEFAULT_BYTES = 4 << 30
-
-
-def default_budget_bytes() -> int:
-    """``$SPECRAG_PREFIX_CACHE_BYTES``, else a tenth of physical memory, at most 4 GiB."""
-    configured = os.environ.get("SPECRAG_PREFIX_CACHE_BYTES")
-    if configured:
-        return int(configured)
-    try:
-        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        physical = 8 << 30
-    return min(_MAX_DEFAULT_BYTES, physical // 10)
 
 
 @dataclass
@@ -68,35 +53,39 @@ class PrefixCacheStats:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
-@dataclass
-class _Block:
-    tokens: tuple[int, ...]
-    kv: torch.Tensor  # [layers, 2, kv_heads, block_tokens, head_dim], never written after insert
-    nbytes: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.nbytes = self.kv.numel() * self.kv.element_size()
-
-
 class PrefixCache:
-    """Block-hashed prefix KV store for one model (``namespace`` keeps models apart)."""
+    """Block-hashed index over one model's KV pool (``namespace`` keeps models apart)."""
 
-    def __init__(
-        self, budget_bytes: int | None = None, block_tokens: int = DEFAULT_BLOCK_TOKENS, namespace: str = ""
-    ) -> None:
-        if block_tokens < 1:
-            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
-        self.budget_bytes = default_budget_bytes() if budget_bytes is None else budget_bytes
-        self.block_tokens = block_tokens
+    def __init__(self, pool: KVPool | None = None, namespace: str = "") -> None:
+        self.pool = pool if pool is not None else KVPool()
+        if self.pool.on_evict is not None:
+            raise ValueError("this KV pool already has a prefix cache")
+        self.pool.on_evict = self._forget
+        self.block_tokens = self.pool.block_tokens
         self.namespace = namespace
         self.stats = PrefixCacheStats()
-        self._blocks: OrderedDict[bytes, _Block] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()  # an engine is single-threaded, a shared cache need not be
+        self._blocks: dict[bytes, tuple[int, tuple[int, ...]]] = {}  # key -> (block, its tokens)
+        self._keys: dict[int, bytes] = {}  # block -> key
+
+    @classmethod
+    def for_model(
+        cls, model: CausalLM, budget_bytes: int | None = None, block_tokens: int = DEFAULT_BLOCK_TOKENS
+    ) -> PrefixCache:
+        """A prefix cache over a new pool sized for ``model``."""
+        pool = KVPool(budget_bytes, block_tokens)
+        pool.configure(model.config, model.dtype, model.device)
+        return cls(pool, namespace=model.name)
+
+    def new_kv(self) -> SequenceKV:
+        """An empty cache paged in this cache's pool (which must be configured)."""
+        if self.pool.config is None:
+            raise ValueError("the pool is not sized for a model yet (KVPool.configure)")
+        return SequenceKV(self.pool.config, pool=self.pool)
 
     @property
     def used_bytes(self) -> int:
-        return self._bytes
+        """Bytes of the blocks the cache names (held by sequences or evictable)."""
+        return len(self._blocks) * self.pool.block_bytes
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -111,92 +100,61 @@ class PrefixCache:
             keys.append(parent)
         return keys
 
-    def lookup(self, token_ids: Sequence[int]) -> tuple[int, torch.Tensor | None]:
-        """Longest cached block-aligned prefix: (its length, its KV [layers, 2, heads, len, dim])."""
-        with self._lock:
+    def lookup(self, token_ids: Sequence[int]) -> list[int]:
+        """The blocks of the longest cached block-aligned prefix, each retained for the caller
+        (who hands them to a cache with ``SequenceKV.adopt`` or releases them)."""
+        with self.pool.lock:
             chain = []
             for index, key in enumerate(self.block_keys(token_ids)):
-                block = self._blocks.get(key)
+                entry = self._blocks.get(key)
                 start = index * self.block_tokens
-                if block is None or block.tokens != tuple(token_ids[start : start + self.block_tokens]):
+                if entry is None or entry[1] != tuple(token_ids[start : start + self.block_tokens]):
                     break
-                chain.append((key, block))
-            self._touch([key for key, _ in chain])
+                chain.append(entry[0])
+            for block in chain:
+                self.pool.retain(block)
             self.stats.lookups += 1
             self.stats.queried_tokens += len(token_ids)
             if not chain:
                 self.stats.misses += 1
-                return 0, None
-            cached_len = len(chain) * self.block_tokens
-            self.stats.hits += 1
-            self.stats.hit_tokens += cached_len
-            return cached_len, torch.cat([block.kv for _, block in chain], dim=3)
+            else:
+                self.stats.hits += 1
+                self.stats.hit_tokens += len(chain) * self.block_tokens
+            return chain
 
     def insert(self, kv: SequenceKV) -> int:
-        """Store the full blocks of ``kv`` not cached yet; returns how many were added."""
+        """Name the full blocks of a paged ``kv`` not cached yet; returns how many were added."""
+        if kv.table is None or kv.table.pool is not self.pool:
+            raise ValueError("the prefix cache indexes caches paged in its own pool")
         token_ids = kv.token_ids
         keys = self.block_keys(token_ids)
-        with self._lock:
-            first_new = 0
-            while first_new < len(keys) and keys[first_new] in self._blocks:
-                first_new += 1
+        with self.pool.lock:
             added = 0
-            if first_new < len(keys):
-                start, end = first_new * self.block_tokens, len(keys) * self.block_tokens
-                stacked = _stack_layers(kv, start, end)
-                for offset, key in enumerate(keys[first_new:]):
-                    begin = offset * self.block_tokens
-                    block_tokens = tuple(token_ids[start + begin : start + begin + self.block_tokens])
-                    block = _Block(block_tokens, stacked[:, :, :, begin : begin + self.block_tokens].clone())
-                    if not self._make_room(block.nbytes, protected=set(keys)):
-                        break  # keep a prefix of the chain rather than evict its head for its tail
-                    self._blocks[key] = block
-                    self._bytes += block.nbytes
-                    added += 1
+            for index, key in enumerate(keys):
+                block = kv.table.blocks[index]
+                if key in self._blocks or block in self._keys:
+                    continue  # cached already (maybe in another block), or the block has a name
+                start = index * self.block_tokens
+                self._blocks[key] = (block, tuple(token_ids[start : start + self.block_tokens]))
+                self._keys[block] = key
+                self.pool.name(block)
+                added += 1
             self.stats.inserted_blocks += added
-            self._touch(keys)
             return added
 
     def clear(self) -> None:
-        with self._lock:
+        """Forget every block (those nobody holds go back to the free list)."""
+        with self.pool.lock:
+            for block in list(self._keys):
+                self.pool.unname(block)
             self._blocks.clear()
-            self._bytes = 0
+            self._keys.clear()
 
-    def _touch(self, chain_keys: list[bytes]) -> None:
-        for key in reversed(chain_keys):  # the head ends most recent: tails are evicted first
-            if key in self._blocks:
-                self._blocks.move_to_end(key)
-
-    def _make_room(self, nbytes: int, protected: set[bytes]) -> bool:
-        if nbytes > self.budget_bytes:
-            return False
-        while self._bytes + nbytes > self.budget_bytes:
-            oldest = next(iter(self._blocks))
-            if oldest in protected:
-                return False
-            self._bytes -= self._blocks.pop(oldest).nbytes
-            self.stats.evicted_blocks += 1
-        return True
-
-
-def supports_prefix_cache(kv: SequenceKV) -> bool:
-    """Only plain full-attention layers: a sliding window's cache is not a prefix's KV."""
-    return all(type(layer) in (DynamicLayer, GrowableLayer) for layer in kv.cache.layers)
-
-
-def _stack_layers(kv: SequenceKV, start: int, end: int) -> torch.Tensor:
-    """Positions [start, end) of every layer as one [layers, 2, heads, end-start, dim] tensor."""
-    layers = kv.cache.layers
-    return torch.stack([torch.stack((layer.keys[0, :, start:end], layer.values[0, :, start:end])) for layer in layers])
-
-
-def restore(kv: SequenceKV, token_ids: Sequence[int], segment: torch.Tensor) -> None:
-    """Write a cached segment into an empty sequence cache (copies: the segment stays intact)."""
-    if len(kv):
-        raise ValueError("a prefix can only be restored into an empty cache")
-    for layer, layer_kv in zip(kv.cache.layers, segment, strict=True):
-        layer.update(layer_kv[0].unsqueeze(0), layer_kv[1].unsqueeze(0))
-    kv.record(token_ids[: segment.shape[3]])
+    def _forget(self, block: int) -> None:
+        """The pool reused an evictable block: its name goes."""
+        key = self._keys.pop(block)
+        del self._blocks[key]
+        self.stats.evicted_blocks += 1
 
 
 def prefill_cached(
@@ -206,25 +164,14 @@ def prefill_cached(
 
     Returns the last position's logits and how many prompt tokens came from the cache.
     The last prompt token is always forwarded (its logits are the point of a prefill), and
-    the prompt's full blocks are stored afterwards so the next request sharing them hits.
+    the prompt's full blocks are named afterwards so the next request sharing them hits.
     """
-    if cache is None or not supports_prefix_cache(kv):
+    if cache is None or kv.table is None or kv.table.pool is not cache.pool:
         return model.prefill(kv, token_ids), 0
-    cached_len, segment = cache.lookup(token_ids[:-1])
-    if segment is not None:
-        restore(kv, token_ids, segment)
+    blocks = cache.lookup(token_ids[:-1])
+    cached_len = len(blocks) * cache.block_tokens
+    if blocks:
+        kv.adopt(blocks, token_ids[:cached_len])
     logits = model.prefill(kv, token_ids[cached_len:])
     cache.insert(kv)
     return logits, cached_len
-
-
-def prefix_caches_for(
-    setting: PrefixCache | bool, target: CausalLM, draft: CausalLM | None
-) -> tuple[PrefixCache | None, PrefixCache | None]:
-    """``True``: a machine-sized cache for the target and a quarter of that for the draft."""
-    if setting is False:
-        return None, None
-    target_cache = setting if isinstance(setting, PrefixCache) else PrefixCache(namespace=target.name)
-    if draft is None:
-        return target_cache, None
-    return target_cache, PrefixCache(target_cache.budget_bytes // 4, target_cache.block_tokens, namespace=draft.name)

@@ -9,6 +9,7 @@ candidates; a model drafter's cache holds a prefix of the committed tokens.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,12 +37,21 @@ class SequenceState:
     stats: GenerationStats
     grammar: GrammarState | None = None
     prefilled: bool = False  # the whole prompt is in the cache and the first token committed
-    restored: bool = False  # the prefix cache was asked for the prompt (before its first chunk)
+    admitted: bool = False  # the KV pool promised its blocks (and the prefix cache was asked)
     finish_reason: str | None = None
 
     @property
     def output_len(self) -> int:
         return len(self.tokens) - self.stats.prompt_tokens
+
+    def draft_kvs(self) -> list[SequenceKV]:
+        """The caches of its model drafters."""
+        return [drafter.kv for drafter in self.drafters if isinstance(drafter, ModelDrafter)]
+
+    def release_kv(self) -> None:
+        """Give the KV blocks back (finished, failed or cancelled)."""
+        for kv in [self.kv, *self.draft_kvs()]:
+            kv.release()
 
     def commit(self, committed: list[int]) -> list[int]:
         """Append tokens one by one; a stop or the length limit truncates the rest."""
@@ -91,6 +101,7 @@ def make_drafters(
     *,
     ngram: tuple[int, int],
     draft: CausalLM | None,
+    draft_kv: Callable[[], SequenceKV | None],
     draft_prefix_cache: PrefixCache | None,
 ) -> list[Drafter]:
     """A new sequence's drafters, in order of preference: the grammar's forced tokens, prompt
@@ -115,5 +126,5 @@ def make_drafters(
         if grammar is not None:  # q is masked along the draft exactly as p is along the chain
             processors.append(grammar.draft_processor(len(request.prompt_tokens)))
         processor = functools.partial(apply_processors, processors) if processors else None
-        drafters.append(ModelDrafter(draft, request.sampling, generator, processor, draft_prefix_cache))
+        drafters.append(ModelDrafter(draft, request.sampling, generator, processor, draft_prefix_cache, draft_kv()))
     return drafters

@@ -11,11 +11,15 @@ makes a packed step the same maths as B steps one after another: only the model 
 shared.
 
 A cycle that raises (its grammar, a logits processor, its drafter, its stop handling)
-fails alone: its result carries the error and the other cycles of the step go on.
+fails alone: its result carries the error and the other cycles of the step go on. So does
+a sequence whose forward raises: when the packed forward raises, every cache drops the
+rows it half-appended and each need is answered by its own forward, so only the sequence
+whose forward fails again is failed.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator
 from dataclasses import dataclass
 
@@ -58,6 +62,8 @@ class StepBatch:
         self.target = target
         self.pack = pack
         self.tokens = 0
+        self.packed_seconds: float | None = None  # the shared forward's wall time, once run
+        self.packed_tokens = 0  # ... and the tokens it carried
         self._cycles: list[Cycle] = []
         self._results: dict[int, CycleResult] = {}
         self._needs: list[tuple[int, ForwardNeed]] = []
@@ -77,17 +83,36 @@ class StepBatch:
         if self.pack:
             self._needs.append((index, need))
         else:
-            self._results[index] = _finish(cycle, forward_alone(self.target, need))
+            self._results[index] = self._answer_alone(cycle, need)
 
     def run(self) -> list[CycleResult]:
         """Answer the packed needs with one forward; every cycle's result, in order."""
         if self._needs:
             chunks = [Chunk(need.kv, need.token_ids, need.prompt, need.last_only) for _, need in self._needs]
-            rows = packed_forward(self.target, chunks)
-            for (index, _), logits in zip(self._needs, rows, strict=True):
-                self._results[index] = _finish(self._cycles[index], logits)
+            try:
+                start = time.perf_counter()
+                rows = packed_forward(self.target, chunks)
+                self.packed_seconds = time.perf_counter() - start
+                self.packed_tokens = sum(len(chunk.token_ids) for chunk in chunks)
+            except Exception:  # find whose forward fails: each need alone, on clean caches
+                for _, need in self._needs:
+                    need.kv.discard_unrecorded()
+                for index, need in self._needs:
+                    self._results[index] = self._answer_alone(self._cycles[index], need)
+            else:
+                for (index, _), logits in zip(self._needs, rows, strict=True):
+                    self._results[index] = _finish(self._cycles[index], logits)
             self._needs = []
         return [self._results[index] for index in range(len(self._cycles))]
+
+    def _answer_alone(self, cycle: Cycle, need: ForwardNeed) -> CycleResult:
+        try:
+            logits = forward_alone(self.target, need)
+        except Exception as error:  # this sequence's forward fails: it fails alone
+            need.kv.discard_unrecorded()
+            cycle.close()
+            return CycleResult([], error)
+        return _finish(cycle, logits)
 
 
 def _finish(cycle: Cycle, logits: torch.Tensor) -> CycleResult:

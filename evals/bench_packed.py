@@ -10,7 +10,10 @@ sequence has its own prompt of ``--context`` tokens; the caches are cropped back
 each measurement. The last column is the speed-up of packing. With ``--engine``, also the
 aggregate tok/s of ``Engine.step()`` over 1, 4 and 8 greedy requests (64-token prompts,
 32 new tokens, speculation off) with ``pack`` on and off; the engine packs only in
-row-exact mode, so in float32 both columns are the same path. Run it on an idle machine.
+row-exact mode, so in float32 both columns are the same path. With ``--paged``, the cost
+of paged KV (``decoding/kv_pool.py``) on the batch-1 path: a one-token step over a
+growable cache against the same step over pool blocks, consecutive (read as a slice) and
+scattered (read by a gather), at several context lengths. Run it on an idle machine.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 import torch
 
 from decoding.kv import SequenceKV
+from decoding.kv_pool import KVPool
 from decoding.model import CausalLM, load_model
 from decoding.packed import Chunk, packed_forward
 
@@ -90,6 +94,33 @@ def engine_rates(model: CausalLM, batch: int, max_tokens: int, repeats: int) -> 
     return {pack: statistics.median(values) for pack, values in rates.items()}
 
 
+def paged_rows(model: CausalLM, contexts: list[int], repeats: int) -> list[dict[str, float]]:
+    """Median ms of a one-token step at each context: growable, paged consecutive, paged scattered."""
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for context in contexts:
+        pool = KVPool(num_blocks=3 * (context // 32 + 2))
+        pool.configure(model.config, model.dtype, model.device)
+        prompt = torch.randint(100, 5000, (context,), generator=generator).tolist()
+        consecutive, scattered, filler = (SequenceKV(model.config, pool=pool) for _ in range(3))
+        model.prefill(consecutive, prompt)
+        for start in range(0, context, 32):  # every other block belongs to another sequence
+            model.prefill(scattered, prompt[start : start + 32])
+            model.prefill(filler, [7] * 32)
+        caches = {"growable": model.new_kv(), "consecutive": consecutive, "scattered": scattered}
+        model.prefill(caches["growable"], prompt)
+        times: dict[str, list[float]] = {name: [] for name in caches}
+        for repeat in range(repeats):
+            order = list(caches.items())
+            for name, kv in order[repeat % len(order) :] + order[: repeat % len(order)]:  # rotate: no order bias
+                start = time.perf_counter()
+                model.forward(kv, [11], last_only=True)
+                times[name].append((time.perf_counter() - start) * 1e3)
+                kv.crop(context)
+        rows.append({"context": context, **{name: statistics.median(values) for name, values in times.items()}})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -97,7 +128,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--engine", action="store_true", help="also: Engine.step() tok/s, packed and not")
+    parser.add_argument("--paged", action="store_true", help="only: a step over paged KV against a growable cache")
     args = parser.parse_args(argv)
+    if args.paged:
+        print("| model | dtype | context | growable (ms) | paged, consecutive (ms) | paged, scattered (ms) |")
+        print("| --- | --- | ---: | ---: | ---: | ---: |")
+        for dtype in args.dtype or ["auto"]:
+            model = load_model(args.model, dtype=dtype, progress=False)
+            for row in paged_rows(model, [args.context, 4 * args.context, 8 * args.context], args.repeats):
+                print(
+                    f"| {args.model} | {str(model.dtype).removeprefix('torch.')} | {row['context']} "
+                    f"| {row['growable']:.1f} | {row['consecutive']:.1f} ({row['consecutive'] / row['growable']:.3f}x) "
+                    f"| {row['scattered']:.1f} ({row['scattered'] / row['growable']:.3f}x) |",
+                    flush=True,
+                )
+        return 0
     print(f"torch threads {torch.get_num_threads()}, context {args.context}, {args.repeats} repeats (medians)")
     print("| model | dtype | row-exact | sequences | tokens each | B forwards (ms) | one packed (ms) | speed-up |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")

@@ -12,8 +12,9 @@ speculation mode (``off``, ``on``, ``auto``), modes interleaved rate by rate. Re
 rate and mode: output tok/s and requests/s over the makespan, TTFT p50/p99, TPOT (a
 request's time per output token after its first) p50/p99, ITL (gaps between streamed
 chunks, as vLLM's benchmark counts them) p50/p99, SLO goodput (requests/s that met both
-``--slo-ttft`` and ``--slo-tpot``), draft acceptance from the server's own metrics, and
-the most requests running at once. JSON with ``--json``, a PNG with ``--plot``, a table on
+``--slo-ttft`` and ``--slo-tpot``), from the server's own metrics draft acceptance and
+committed tokens per target call (per sequence), and the most requests running at once and
+the highest KV pool usage, polled every half second. JSON with ``--json``, a PNG with ``--plot``, a table on
 stdout. Speed is measured here, never asserted in a test.
 """
 
@@ -142,19 +143,21 @@ def scrape(url: str) -> dict[str, float]:
     return {sample.name: sample.value for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
-class RunningPeak:
-    """The most ``specrag:num_requests_running`` seen, polled while a replay runs."""
+class GaugePeaks:
+    """The most requests running and the highest KV pool usage seen, polled while a replay runs."""
+
+    GAUGES = ("specrag:num_requests_running", "specrag:kv_cache_usage_perc")
 
     def __init__(self, url: str) -> None:
-        self.url, self.peak, self._stop = url, 0.0, asyncio.Event()
+        self.url, self.peaks, self._stop = url, dict.fromkeys(self.GAUGES, 0.0), asyncio.Event()
 
     async def poll(self) -> None:
         async with httpx.AsyncClient(base_url=self.url, timeout=30) as client:
             while not self._stop.is_set():
                 text = (await client.get("/metrics")).text
                 for family in text_string_to_metric_families(text):
-                    if family.name == "specrag:num_requests_running":
-                        self.peak = max(self.peak, family.samples[0].value)
+                    if family.name in self.peaks:
+                        self.peaks[family.name] = max(self.peaks[family.name], family.samples[0].value)
                 await asyncio.sleep(0.5)
 
     def stop(self) -> None:
@@ -162,12 +165,12 @@ class RunningPeak:
 
 
 async def _measure(url: str, trace: list[tuple[float, str]], bodies: dict[str, dict[str, Any]]) -> tuple:
-    peak = RunningPeak(url)
-    poller = asyncio.create_task(peak.poll())
+    peaks = GaugePeaks(url)
+    poller = asyncio.create_task(peaks.poll())
     outcomes = await replay(url, trace, bodies)
-    peak.stop()
+    peaks.stop()
     await poller
-    return outcomes, peak.peak
+    return outcomes, peaks.peaks
 
 
 def request_bodies(mix: list[str], max_tokens: int, mode: str) -> dict[str, dict[str, Any]]:
@@ -199,19 +202,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             trace = arrival_trace(rate, args.duration, args.mix, args.seed)
             for mode in args.mode:
                 before = scrape(url)
-                outcomes, running_peak = asyncio.run(
-                    _measure(url, trace, request_bodies(args.mix, args.max_tokens, mode))
-                )
+                outcomes, peaks = asyncio.run(_measure(url, trace, request_bodies(args.mix, args.max_tokens, mode)))
                 after = scrape(url)
-                drafted = after.get("specrag:spec_decode_num_draft_tokens_total", 0) - before.get(
-                    "specrag:spec_decode_num_draft_tokens_total", 0
-                )
-                accepted = after.get("specrag:spec_decode_num_accepted_tokens_total", 0) - before.get(
-                    "specrag:spec_decode_num_accepted_tokens_total", 0
-                )
+                delta = {name: after.get(name, 0) - before.get(name, 0) for name in after}
+                drafted = delta.get("specrag:spec_decode_num_draft_tokens_total", 0)
+                accepted = delta.get("specrag:spec_decode_num_accepted_tokens_total", 0)
+                calls = delta.get("specrag:target_calls_total", 0)
                 row = {"rate": rate, "speculation": mode, **summarise(outcomes, args.slo_ttft, args.slo_tpot)}
                 row["draft_acceptance"] = round(accepted / drafted, 3) if drafted else None
-                row["max_running"] = running_peak
+                generated = delta.get("specrag:generation_tokens_total", 0)
+                row["committed_per_target_call"] = round(generated / calls, 2) if calls else None
+                row["max_running"] = peaks["specrag:num_requests_running"]
+                row["max_kv_cache_usage"] = round(peaks["specrag:kv_cache_usage_perc"], 4)
                 results.append(row)
                 print(f"rate {rate}/s, speculation {mode}: done", file=sys.stderr, flush=True)
     return {
@@ -239,7 +241,9 @@ def print_table(report: dict[str, Any]) -> None:
         ("itl_p99_s", "ITL p99"),
         ("goodput_requests_per_s", "goodput req/s"),
         ("draft_acceptance", "acceptance"),
+        ("committed_per_target_call", "committed / call"),
         ("max_running", "max running"),
+        ("max_kv_cache_usage", "max KV use"),
     ]
     print("| " + " | ".join(title for _, title in columns) + " |")
     print("| " + " | ".join("---" for _ in columns) + " |")

@@ -55,9 +55,9 @@ def test_a_new_question_over_the_same_passages_reuses_all_but_the_question(smoll
     second = ids(PromptParts("Where can break occur?", tool_schemas=[TOOL], passages=PASSAGES))
     question_tokens = len(smollm2.tokenizer("Where can break occur?", add_special_tokens=False)["input_ids"])
     assert shared_prefix(first, second) >= len(second) - question_tokens - 8
-    cache = PrefixCache(block_tokens=16)
-    prefill_cached(smollm2, smollm2.new_kv(), first, cache)
-    assert prefill_cached(smollm2, smollm2.new_kv(), second, cache)[1] >= shared_prefix(first, second) - 16
+    cache = PrefixCache.for_model(smollm2, 1 << 28, block_tokens=16)
+    prefill_cached(smollm2, cache.new_kv(), first, cache)
+    assert prefill_cached(smollm2, cache.new_kv(), second, cache)[1] >= shared_prefix(first, second) - 16
 
 
 def test_a_follow_up_turn_extends_the_first_turns_prompt(smollm2: CausalLM) -> None:

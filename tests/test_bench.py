@@ -93,3 +93,5 @@ def test_the_serving_benchmark_replays_one_trace_per_rate_for_every_mode(tmp_pat
     assert rows[0]["requests"] == rows[1]["requests"] > 0 and all(row["failed"] == 0 for row in rows)
     assert all(row["output_tokens_per_s"] > 0 and row["ttft_p50_s"] <= row["ttft_p99_s"] for row in rows)
     assert rows[0]["draft_acceptance"] is None  # nothing drafted with speculation off
+    assert 0 < rows[0]["committed_per_target_call"] <= 1.0  # off: at most one token a call
+    assert all(0 <= row["max_kv_cache_usage"] <= 1 for row in rows)

@@ -1,5 +1,6 @@
 """Prefix cache: a hit gives the cold prefill's logits, eviction never serves a wrong prefix,
-and sequences sharing cached blocks cannot corrupt each other or the cache."""
+and sequences sharing cached blocks (by reference, in the KV pool) cannot corrupt each
+other or the cache."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from decoding import Engine, GenerationRequest, SamplingParams
+from decoding.kv_pool import KVPool
 from decoding.model import CausalLM
 from decoding.prefix_cache import PrefixCache, prefill_cached
 from tests.conftest import tiny_causal_lm
@@ -24,22 +26,38 @@ def cold_logits(model: CausalLM, tokens: list[int]) -> torch.Tensor:
 
 
 def cold_segment(model: CausalLM, tokens: list[int]) -> torch.Tensor:
-    """KV of ``tokens`` from a fresh prefill, stacked like a cache segment."""
+    """KV of ``tokens`` from a fresh prefill, stacked [layers, 2, heads, len, dim]."""
     kv = model.new_kv()
     model.prefill(kv, tokens)
     return torch.stack([torch.stack((layer.keys[0], layer.values[0])) for layer in kv.cache.layers])
 
 
-def block_bytes(model: CausalLM) -> int:
-    kv = model.new_kv()
-    model.prefill(kv, list(range(BLOCK)))
-    cache = PrefixCache(budget_bytes=1 << 30, block_tokens=BLOCK)
-    cache.insert(kv)
-    return cache.used_bytes
+def pooled_segment(pool: KVPool, blocks: list[int]) -> torch.Tensor:
+    """What ``blocks`` hold in the pool, stacked like ``cold_segment``."""
+    layers = []
+    for layer in range(len(pool._keys)):
+        keys, values = pool.storage(layer)
+        heads, _, size, dim = keys.shape
+        layers.append(torch.stack([part[:, blocks].reshape(heads, len(blocks) * size, dim) for part in (keys, values)]))
+    return torch.stack(layers)
+
+
+def small_cache(blocks: int) -> PrefixCache:
+    cache = PrefixCache.for_model(TARGET, block_tokens=BLOCK)
+    small = KVPool(block_tokens=BLOCK, num_blocks=blocks)
+    small.configure(TARGET.config, TARGET.dtype, TARGET.device)
+    return PrefixCache(small, namespace=cache.namespace)
+
+
+def prefill_and_finish(cache: PrefixCache, prompt: list[int]) -> None:
+    """A request's prefill through the cache, then its end: its blocks stay named, unheld."""
+    kv = cache.new_kv()
+    prefill_cached(TARGET, kv, prompt, cache)
+    kv.release()
 
 
 def test_keys_chain_every_block_to_its_whole_prefix() -> None:
-    cache = PrefixCache(block_tokens=BLOCK)
+    cache = PrefixCache(KVPool(block_tokens=BLOCK))
     tokens = list(range(13))
     keys = cache.block_keys(tokens)
     assert len(keys) == 3  # the 13th token is not a full block
@@ -47,17 +65,17 @@ def test_keys_chain_every_block_to_its_whole_prefix() -> None:
     assert all(a != b for a, b in zip(keys, changed_first, strict=True))
     changed_last = cache.block_keys([*tokens[:8], 99, *tokens[9:]])
     assert changed_last[:2] == keys[:2] and changed_last[2] != keys[2]
-    assert PrefixCache(block_tokens=BLOCK, namespace="other").block_keys(tokens)[0] != keys[0]
+    assert PrefixCache(KVPool(block_tokens=BLOCK), namespace="other").block_keys(tokens)[0] != keys[0]
 
 
 @pytest.mark.parametrize("cached_prefix", [4, 9, 16, 17])
 def test_logits_after_a_hit_equal_a_cold_prefill(cached_prefix: int) -> None:
     generator = torch.Generator().manual_seed(cached_prefix)
     shared = torch.randint(0, VOCAB, (cached_prefix,), generator=generator).tolist()
-    cache = PrefixCache(block_tokens=BLOCK)
-    prefill_cached(TARGET, TARGET.new_kv(), [*shared, 1, 2, 3], cache)
+    cache = PrefixCache.for_model(TARGET, block_tokens=BLOCK)
+    prefill_cached(TARGET, cache.new_kv(), [*shared, 1, 2, 3], cache)
     prompt = [*shared, 7, 8]
-    kv = TARGET.new_kv()
+    kv = cache.new_kv()
     logits, cached_len = prefill_cached(TARGET, kv, prompt, cache)
     assert cached_len == (min(cached_prefix + 1, len(prompt) - 1) // BLOCK) * BLOCK
     assert kv.token_ids == prompt and kv.cached_length() == len(prompt)
@@ -66,9 +84,9 @@ def test_logits_after_a_hit_equal_a_cold_prefill(cached_prefix: int) -> None:
 
 def test_a_prompt_cached_whole_still_forwards_its_last_token() -> None:
     prompt = list(range(12))  # exactly three blocks
-    cache = PrefixCache(block_tokens=BLOCK)
-    prefill_cached(TARGET, TARGET.new_kv(), prompt, cache)
-    logits, cached_len = prefill_cached(TARGET, TARGET.new_kv(), prompt, cache)
+    cache = PrefixCache.for_model(TARGET, block_tokens=BLOCK)
+    prefill_cached(TARGET, cache.new_kv(), prompt, cache)
+    logits, cached_len = prefill_cached(TARGET, cache.new_kv(), prompt, cache)
     assert cached_len == 8
     torch.testing.assert_close(logits, cold_logits(TARGET, prompt), rtol=1e-10, atol=1e-10)
 
@@ -77,28 +95,31 @@ def test_a_prompt_cached_whole_still_forwards_its_last_token() -> None:
 def test_logits_after_a_hit_equal_a_cold_prefill_on_smollm2(smollm2: CausalLM) -> None:
     generator = torch.Generator().manual_seed(0)
     system = torch.randint(100, 40_000, (300,), generator=generator).tolist()
-    cache = PrefixCache(block_tokens=32)
-    prefill_cached(smollm2, smollm2.new_kv(), [*system, 11, 12, 13], cache)
+    cache = PrefixCache.for_model(smollm2, 1 << 28)
+    prefill_cached(smollm2, cache.new_kv(), [*system, 11, 12, 13], cache)
     prompt = [*system, 21, 22, 23, 24]
-    logits, cached_len = prefill_cached(smollm2, smollm2.new_kv(), prompt, cache)
+    logits, cached_len = prefill_cached(smollm2, cache.new_kv(), prompt, cache)
     assert cached_len == 288
     torch.testing.assert_close(logits, cold_logits(smollm2, prompt), rtol=1e-4, atol=1e-4)
 
 
-def test_eviction_under_a_small_budget_never_returns_a_wrong_prefix() -> None:
-    budget_blocks = 7
-    cache = PrefixCache(budget_bytes=budget_blocks * block_bytes(TARGET), block_tokens=BLOCK)
+def test_eviction_in_a_small_pool_never_returns_a_wrong_prefix() -> None:
+    cache = small_cache(7)
     rng = random.Random(0)
     stems = [[rng.randrange(3) for _ in range(8)] for _ in range(3)]  # few stems: many shared prefixes
     hits = 0
     for _ in range(60):
         prompt = rng.choice(stems) + [rng.randrange(3) for _ in range(rng.randrange(1, 14))]
-        cached_len, segment = cache.lookup(prompt[:-1])
-        if segment is not None:
+        blocks = cache.lookup(prompt[:-1])
+        if blocks:
             hits += 1
-            torch.testing.assert_close(segment, cold_segment(TARGET, prompt[:cached_len]), rtol=1e-10, atol=1e-10)
-        prefill_cached(TARGET, TARGET.new_kv(), prompt, cache)
-        assert cache.used_bytes <= cache.budget_bytes and len(cache) <= budget_blocks
+            cached = pooled_segment(cache.pool, blocks)
+            torch.testing.assert_close(cached, cold_segment(TARGET, prompt[: cached.shape[3]]), rtol=1e-10, atol=1e-10)
+        for block in blocks:
+            cache.pool.release(block)
+        prefill_and_finish(cache, prompt)
+        assert len(cache) <= 7
+        cache.pool.check([])
     assert hits > 20 and cache.stats.evicted_blocks > 20
 
 
@@ -107,31 +128,46 @@ def test_tokens_are_compared_on_a_hit_so_a_hash_collision_cannot_serve_another_p
         def block_keys(self, token_ids: list[int]) -> list[bytes]:
             return [b"same" for _ in super().block_keys(token_ids)]
 
-    cache = CollidingCache(block_tokens=BLOCK)
-    prefill_cached(TARGET, TARGET.new_kv(), [1, 2, 3, 4, 5], cache)
-    assert cache.lookup([9, 9, 9, 9, 9]) == (0, None)
+    pool = KVPool(block_tokens=BLOCK)
+    pool.configure(TARGET.config, TARGET.dtype, TARGET.device)
+    cache = CollidingCache(pool)
+    prefill_cached(TARGET, cache.new_kv(), [1, 2, 3, 4, 5], cache)
+    assert cache.lookup([9, 9, 9, 9, 9]) == []
 
 
 def test_chains_lose_their_tail_before_their_head() -> None:
-    cache = PrefixCache(budget_bytes=4 * block_bytes(TARGET), block_tokens=BLOCK)
-    first = list(range(13))  # three blocks
-    prefill_cached(TARGET, TARGET.new_kv(), first, cache)
-    prefill_cached(TARGET, TARGET.new_kv(), [20, 21, 22, 23, 20, 21, 22, 23, 0], cache)  # two more: one must go
-    assert cache.lookup(first)[0] == 8  # the head two blocks survive, the tail went
+    cache = small_cache(5)
+    first = list(range(13))  # three full blocks and a partial one
+    prefill_and_finish(cache, first)
+    prefill_and_finish(cache, [20, 21, 22, 23, 20, 21, 22, 23, 0])  # three blocks: one named must go
+    assert len(cache.lookup(first)) == 2  # the head two blocks survive, the tail went
 
 
-def test_a_chain_longer_than_the_budget_keeps_its_head() -> None:
-    cache = PrefixCache(budget_bytes=2 * block_bytes(TARGET), block_tokens=BLOCK)
-    prompt = list(range(20))
-    prefill_cached(TARGET, TARGET.new_kv(), prompt, cache)
-    assert cache.lookup(prompt)[0] == 8
+def test_a_write_into_a_shared_block_copies_it_first() -> None:
+    """Copy-on-write: a sequence that rolls back into a block another sequence (and the
+    cache) holds, then writes there, gets its own copy; the holders see no change."""
+    cache = PrefixCache.for_model(TARGET, block_tokens=BLOCK)
+    prompt = list(range(10))
+    owner = cache.new_kv()
+    prefill_cached(TARGET, owner, prompt, cache)
+    shared_blocks = list(owner.table.blocks[:2])
+    before = pooled_segment(cache.pool, shared_blocks)
+    reader = cache.new_kv()
+    _, cached_len = prefill_cached(TARGET, reader, [*prompt[:9], 3], cache)
+    assert cached_len == 8 and reader.table.blocks[:2] == shared_blocks
+    reader.crop(6)  # back into the second shared block
+    logits = TARGET.forward(reader, [23, 22, 21], last_only=True)[-1]
+    torch.testing.assert_close(logits, cold_logits(TARGET, [*prompt[:6], 23, 22, 21]), rtol=1e-10, atol=1e-10)
+    assert reader.table.blocks[0] == shared_blocks[0] and reader.table.blocks[1] != shared_blocks[1]
+    assert torch.equal(pooled_segment(cache.pool, shared_blocks), before)
+    cache.pool.check([owner.table.blocks, reader.table.blocks])
 
 
 def test_engine_reports_cached_prompt_tokens_and_keeps_outputs() -> None:
     prompt = [random.Random(1).randrange(VOCAB) for _ in range(30)]
     request = GenerationRequest(prompt, max_tokens=12, speculation="on", stop_token_ids=[])
     plain = list(Engine(TARGET, debug=True).generate(request))
-    engine = Engine(TARGET, prefix_cache=PrefixCache(block_tokens=BLOCK), debug=True)
+    engine = Engine(TARGET, prefix_cache=PrefixCache(KVPool(block_tokens=BLOCK)), debug=True)
     cold = list(engine.generate(request))
     follow_up = GenerationRequest([*prompt, *[t for e in cold for t in e.token_ids], 3, 4], max_tokens=5)
     warm = list(engine.generate(request))
@@ -156,16 +192,16 @@ def test_sequences_sharing_cached_blocks_do_not_corrupt_each_other_or_the_cache(
         )
 
     solo = [[t for e in Engine(TARGET, DRAFT, debug=True).generate(request(i)) for t in e.token_ids] for i in range(4)]
-    cache = PrefixCache(block_tokens=BLOCK)
+    cache = PrefixCache(KVPool(block_tokens=BLOCK))
     engine = Engine(TARGET, DRAFT, prefix_cache=cache, debug=True)
-    prefill_cached(TARGET, TARGET.new_kv(), [*shared, 0], cache)
-    snapshot = {key: block.kv.clone() for key, block in cache._blocks.items()}
+    prefill_cached(TARGET, cache.new_kv(), [*shared, 0], cache)
+    named = [block for block, _ in cache._blocks.values()]
+    snapshot = pooled_segment(cache.pool, named)
     ids = [engine.add(request(index)) for index in range(4)]
     outputs: dict[int, list[int]] = {seq_id: [] for seq_id in ids}
     while engine.has_unfinished():  # interleaved cycles, each with rollbacks into shared blocks
         for event in engine.step():
             outputs[event.seq_id] += event.token_ids
     assert [outputs[seq_id] for seq_id in ids] == solo
-    for key, kv in snapshot.items():
-        assert torch.equal(cache._blocks[key].kv, kv)
+    assert torch.equal(pooled_segment(cache.pool, named), snapshot)
     assert engine.draft_prefix_cache is not None and engine.draft_prefix_cache.stats.hit_tokens > 0

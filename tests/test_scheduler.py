@@ -115,6 +115,38 @@ def test_a_sequence_whose_processor_raises_fails_alone(row_exact: bool) -> None:
     assert outputs[ids[2]] == alone(target, healthy[1])
 
 
+@pytest.mark.parametrize("row_exact", [True, False], ids=["packed", "one-by-one"])
+def test_a_sequence_whose_forward_raises_fails_alone(row_exact: bool) -> None:
+    """Its cache's second layer raises part-way through the (packed) forward: the other
+    caches drop what that forward half-appended, are answered alone, and finish as alone."""
+    target = tiny(row_exact)
+    prompts = [[(5 * seed + 2 * i) % 48 for i in range(10 + seed)] * 2 for seed in range(3)]
+    requests = [request(prompts[0], max_tokens=12), request(prompts[1], max_tokens=12)]
+    requests.append(request(prompts[2], max_tokens=12, speculation="on", sampling=SamplingParams(0.8, seed=5)))
+    engine = Engine(target, debug=True, min_ngram=1)
+    ids = [engine.add(one) for one in requests]
+    failing_kv = engine._active[ids[1]].kv
+    layer = failing_kv.cache.layers[1]
+    real_update = layer.update
+
+    def update(*args: object, **kwargs: object) -> object:
+        if len(failing_kv) >= len(prompts[1]) + 3:
+            raise RuntimeError("planted forward failure")
+        return real_update(*args, **kwargs)
+
+    layer.update = update
+    outputs: dict[int, list[int]] = {seq_id: [] for seq_id in ids}
+    errors = {}
+    while engine.has_unfinished():
+        for event in engine.step():
+            outputs[event.seq_id] += event.token_ids
+            if event.error is not None:
+                errors[event.seq_id] = event
+    assert list(errors) == [ids[1]] and "planted" in str(errors[ids[1]].error)
+    assert outputs[ids[0]] == alone(target, requests[0]) and outputs[ids[2]] == alone(target, requests[2])
+    engine.kv.pool.check([])  # the failed sequence gave its blocks back too
+
+
 def test_the_worker_raises_a_failed_sequence_to_its_own_caller_only() -> None:
     from agent.worker import EngineWorker
 
@@ -165,9 +197,9 @@ def test_where_bf16_is_row_exact_a_prompt_gets_the_same_bits_however_it_is_cut()
     packed_forward(lm, [Chunk(kv, prompt[:96], prompt=True, last_only=True), Chunk(other, [7])])
     cut = packed_forward(lm, [Chunk(other, [8, 9]), Chunk(kv, prompt[96:], prompt=True, last_only=True)])[1][-1]
     assert torch.equal(cut, whole)
-    cache = PrefixCache(block_tokens=32)
-    prefill_cached(lm, lm.new_kv(), [*prompt[:200], 5, 6], cache)
-    hit, cached_len = prefill_cached(lm, lm.new_kv(), prompt, cache)
+    cache = PrefixCache.for_model(lm, 1 << 28)
+    prefill_cached(lm, cache.new_kv(), [*prompt[:200], 5, 6], cache)
+    hit, cached_len = prefill_cached(lm, cache.new_kv(), prompt, cache)
     assert cached_len == 192 and torch.equal(hit, whole)
 
 
@@ -212,3 +244,17 @@ def test_verify_tokens_count_against_the_budget_of_a_packed_step(monkeypatch: py
     assert [1, 1, 32] in sizes  # beside the oldest prompt's chunk, the others verify nothing
     for seq_id, one in zip(ids, requests, strict=True):
         assert outputs[seq_id] == alone(target, one)
+
+
+def test_a_packed_forward_feeds_the_cost_model_at_the_steps_token_count() -> None:
+    """The policy reads C(step tokens) (StepLoad): the shared forward's time is that point."""
+    from decoding.policy import CostModel
+
+    cost = CostModel({1: 10.0, 2: 10.0}, decay=1.0)  # decay 1: the newest observation is the point
+    engine = Engine(tiny(True), cost_model=cost, max_num_batched_tokens=512)
+    for seed in range(3):
+        engine.add(request([(seed + i) % 48 for i in range(5)], speculation="off"))
+    engine.step()  # three prefill chunks of 5: one packed forward over 15 tokens
+    assert 15 in cost._forward and cost.forward_seconds(15) < 1.0  # a real forward's seconds, not 10
+    engine.step()  # three decode tokens
+    assert cost.forward_seconds(3) < 1.0

@@ -150,6 +150,7 @@ def test_metrics_count_requests_and_speculation(client: TestClient[Any]) -> None
     assert samples[("specrag:request_queue_time_seconds_count", ())] >= 1
     assert samples[("specrag:inter_token_latency_seconds_count", ())] >= 1
     assert samples[("specrag:num_requests_running", ())] == samples[("specrag:num_requests_waiting", ())] == 0
+    assert samples[("specrag:kv_cache_usage_perc", ())] == 0  # every finished request gave its blocks back
 
 
 def test_models_health_and_openapi(client: TestClient[Any]) -> None:

@@ -158,3 +158,19 @@ def test_the_server_still_answers_after_bad_requests(client: TestClient[Any]) ->
     response = client.post(CHAT, json=chat(temperature=0))
     assert response.status_code == 200
     assert response.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_a_request_the_kv_pool_could_never_hold_is_context_length_exceeded(
+    smollm2: CausalLM, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from decoding.kv_pool import KVPool
+    from decoding.prefix_cache import PrefixCache
+
+    agent = sample_agent(smollm2, tmp_path_factory.getbasetemp(), prefix_cache=PrefixCache(KVPool(num_blocks=4)))
+    try:
+        with TestClient(create_app(agent, api_key="")) as client:
+            error = assert_error(client.post(CHAT, json=chat(max_tokens=200)), 400, "max_tokens")
+            assert error["code"] == "context_length_exceeded" and "KV blocks" in error["message"]
+            assert client.post(CHAT, json=chat(max_tokens=4)).status_code == 200
+    finally:
+        agent.close()

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from decoding.drafters.base import Draft
+from decoding.kv import SequenceKV
 from decoding.model import CausalLM
 from decoding.prefix_cache import PrefixCache, prefill_cached
 from decoding.sampling import SamplingParams, probs_from_logits, sample
@@ -28,6 +29,7 @@ class ModelDrafter:
         generator: torch.Generator | None = None,
         logits_processor: Callable[[Sequence[int], torch.Tensor], torch.Tensor] | None = None,
         prefix_cache: PrefixCache | None = None,
+        kv: SequenceKV | None = None,
     ) -> None:
         self.model = model
         self.sampling = sampling
@@ -35,7 +37,7 @@ class ModelDrafter:
         # Applied to q exactly as the engine applies it to p, each with its own prefix.
         self.logits_processor = logits_processor
         self.prefix_cache = prefix_cache
-        self.kv = model.new_kv()
+        self.kv = kv if kv is not None else model.new_kv()  # the engine's are paged in its draft pool
         self._context_len = 0
         self._fed_drafts = 0
         self._proposal_open = False
