@@ -38,16 +38,16 @@ import itertools
 import os
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import torch
 
 from decoding import policy as policies
-from decoding.acceptance import accept_draft
+from decoding.cycles import grammar_accept, mask_next, plain_step, speculative_step
 from decoding.drafters import Draft, Drafter, ModelDrafter
 from decoding.drafters.model_drafter import SOURCE as MODEL_SOURCE
 from decoding.forward_timer import ForwardTimer
-from decoding.grammar import GrammarState, mask_logits
+from decoding.grammar import GrammarState
 from decoding.kv_manager import KVManager
 from decoding.model import PREFILL_CHUNK_TOKENS, CausalLM, prompt_chunk_end
 from decoding.policy import CostModel, Decision, PolicyConfig, RequestPolicy
@@ -203,7 +203,7 @@ class Engine:
 
     def _step_sequences(self, sequences: list[SequenceState]) -> list[GenerationEvent]:
         pack = self.pack and self.target.row_exact and len(sequences) > 1
-        batch = StepBatch(self.target, pack)
+        batch = StepBatch(self.target, pack, self.draft)
         scheduled: list[tuple[SequenceState, StatsMark, bool]] = []
         self._packing = pack  # one forward's time is no single sequence's cost
         try:
@@ -280,7 +280,7 @@ class Engine:
             plan = plan if room >= plan.gamma else policies.Decision(max(room, 0), policies.BATCH_SATURATED)
         if plan.gamma == 0:
             self._expect(1.0)
-            return (yield from self._plain_step(seq, plan.reason))
+            return (yield from plain_step(seq, self._observe_forward, plan.reason))
         off_reason: str | None = policies.NO_PROPOSAL
         best: tuple[Decision, Drafter, Draft | None] | None = None
         for drafter in seq.drafters:
@@ -293,15 +293,15 @@ class Engine:
                 break  # "on": the first drafter with a proposal, in order of preference
         if best is None:
             self._expect(1.0)
-            return (yield from self._plain_step(seq, off_reason))
+            return (yield from plain_step(seq, self._observe_forward, off_reason))
         choice, drafter, draft = best
         self._expect(choice.expected)
-        if draft is None:  # a costly drafter is only asked once it has won
-            draft = self._propose(seq, drafter, choice.gamma)
+        if draft is None:  # a costly drafter (a model) is only asked once it has won
+            draft = yield from self._draft_with_model(seq, drafter, choice.gamma)
             if not draft.tokens:
-                return (yield from self._plain_step(seq, policies.NO_PROPOSAL))
+                return (yield from plain_step(seq, self._observe_forward, policies.NO_PROPOSAL))
         seq.stats.probe_cycles += choice.reason == "probe"
-        return (yield from self._speculative_step(seq, draft.truncated(choice.gamma)))
+        return (yield from speculative_step(seq, self._observe_forward, draft.truncated(choice.gamma)))
 
     def _consider(
         self, seq: SequenceState, drafter: Drafter, cap: int, remaining: int
@@ -331,9 +331,25 @@ class Engine:
 
     def _propose(self, seq: SequenceState, drafter: Drafter, gamma: int) -> Draft:
         with seq.stats.timed("draft"):
+            return drafter.propose(seq.tokens, gamma)
+
+    def _draft_with_model(
+        self, seq: SequenceState, drafter: Drafter, gamma: int
+    ) -> Generator[ForwardNeed, torch.Tensor, Draft]:
+        """A model drafter's proposal, each of its forwards yielded to the step, which
+        answers those of all sequences drafting at once (``StepBatch``: lockstep)."""
+        assert isinstance(drafter, ModelDrafter)
+        with seq.stats.timed("draft"):
             start = time.perf_counter()
-            draft = drafter.propose(seq.tokens, gamma)
-            if isinstance(drafter, ModelDrafter) and draft.tokens and self.cost_model is not None:
+            steps = drafter.drafting(seq.tokens, gamma)
+            try:
+                kv, token_ids = next(steps)
+                while True:
+                    logits = yield ForwardNeed(kv, token_ids, last_only=True, draft=True, target_tokens=gamma + 1)
+                    kv, token_ids = steps.send(logits[-1])
+            except StopIteration as done:
+                draft: Draft = done.value
+            if draft.tokens and self.cost_model is not None and not self._packing:
                 self.cost_model.observe_draft_token((time.perf_counter() - start) / len(draft.tokens))
         return draft
 
@@ -361,75 +377,11 @@ class Engine:
             if self.prefix_cache is not None:
                 self.prefix_cache.insert(seq.kv)  # the next request sharing the prompt hits
             logits = apply_processors(seq.request.logits_processors, seq.tokens, logits)
-        logits = self._mask_next(seq, logits)
+        logits = mask_next(seq, logits)
         seq.prefilled = True
         token = select_token(logits, seq.request.sampling, seq.generator)
-        self._grammar_accept(seq, token)
+        grammar_accept(seq, token)
         return seq.commit([token])
-
-    def _plain_step(self, seq: SequenceState, off_reason: str | None) -> Cycle:
-        with seq.stats.timed("decode"):
-            start = time.perf_counter()
-            logits = (yield ForwardNeed(seq.kv, seq.tokens[-1:], last_only=True))[-1]
-            self._observe_forward(1, start)
-            logits = apply_processors(seq.request.logits_processors, seq.tokens, logits)
-        logits = self._mask_next(seq, logits)
-        token = select_token(logits, seq.request.sampling, seq.generator)
-        self._grammar_accept(seq, token)
-        seq.stats.target_calls += 1
-        seq.stats.record_plain(off_reason)
-        for drafter in seq.drafters:
-            drafter.on_commit([token], 0)
-        return seq.commit([token])
-
-    def _speculative_step(self, seq: SequenceState, draft: Draft) -> Cycle:
-        bitmask = None
-        if seq.grammar is not None:  # candidates after the first ungrammatical one are never verified
-            with seq.stats.timed("grammar"):
-                valid_len, bitmask = seq.grammar.advance_chain(draft.tokens)
-            draft = draft.truncated(valid_len)
-            if not draft.tokens:
-                return (yield from self._plain_step(seq, policies.GRAMMAR_REJECTED))
-        kept_before = len(seq.kv)
-        with seq.stats.timed("verify"):
-            start = time.perf_counter()
-            target_logits = yield ForwardNeed(seq.kv, [seq.tokens[-1], *draft.tokens])
-            self._observe_forward(len(draft.tokens) + 1, start)
-        seq.stats.target_calls += 1
-        processors = seq.request.logits_processors
-        if processors:  # row i follows the committed tokens and the first i drafts
-            rows = [
-                apply_processors(processors, [*seq.tokens, *draft.tokens[:i]], row)
-                for i, row in enumerate(target_logits)
-            ]
-            target_logits = torch.stack(rows)
-        if bitmask is not None:  # after the processors, as on the plain path and for q
-            with seq.stats.timed("grammar"):
-                target_logits = mask_logits(target_logits, bitmask)
-        with seq.stats.timed("accept"):
-            accepted_len, committed = accept_draft(draft, target_logits, seq.request.sampling, seq.generator)
-        if seq.grammar is not None:
-            with seq.stats.timed("grammar"):
-                seq.grammar.settle(len(draft.tokens), committed)
-        with seq.stats.timed("rollback"):
-            # Keep the pending token and the accepted drafts; drop the rejected suffix.
-            seq.kv.crop(kept_before + 1 + accepted_len)
-            for drafter in seq.drafters:  # a drafter that did not propose has nothing to undo
-                drafter.on_commit(committed, accepted_len)
-        seq.policy.observe(draft.source, len(draft.tokens), accepted_len, draft.match_ngram)
-        seq.stats.record_verify(len(draft.tokens), accepted_len, draft.source)
-        return seq.commit(committed)
-
-    def _mask_next(self, seq: SequenceState, logits: torch.Tensor) -> torch.Tensor:
-        if seq.grammar is None:
-            return logits
-        with seq.stats.timed("grammar"):
-            return mask_logits(logits, seq.grammar.next_bitmask()[0])
-
-    def _grammar_accept(self, seq: SequenceState, token: int) -> None:
-        if seq.grammar is not None:
-            with seq.stats.timed("grammar"):
-                seq.grammar.accept(token)
 
     def _observe_forward(self, tokens: int, start: float) -> None:
         if self.cost_model is not None and not self._packing:

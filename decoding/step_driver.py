@@ -1,20 +1,22 @@
-"""The cycles of one engine step: each with its own forward, or all in one packed forward.
+"""The cycles of one engine step: each with its own forwards, or all in packed forwards.
 
 A cycle (``Engine._advance``, ``Engine._prefill_chunk``) is a generator: it decides what
-to forward, yields the one target forward it needs as a ``ForwardNeed``, is sent that
-forward's logits, and returns the tokens it committed. A ``StepBatch`` collects the cycles
-the scheduler admits to a step. Unpacked, it runs each cycle to its end as it is added,
-with its own forward, as the batch-1 engine always did; packed, it starts every cycle as
-it is added and answers all their needs with one ``packed_forward``
-(``decoding/packed.py``) in ``run``. Keeping the cycle's code the same for both is what
-makes a packed step the same maths as B steps one after another: only the model call is
-shared.
+to forward, yields each forward it needs as a ``ForwardNeed``, is sent that forward's
+logits, and returns the tokens it committed. A cycle needs at most one *target* forward,
+its last; before it, a cycle whose draft model won yields that model's forwards, one per
+draft token. A ``StepBatch`` collects the cycles the scheduler admits to a step.
+Unpacked, it runs each cycle to its end as it is added, with forwards of its own, as the
+batch-1 engine always did; packed, it starts every cycle as it is added and answers their
+needs in rounds: while some cycle waits on the draft model, one packed draft forward for
+all of them (the drafters run in lockstep), then one packed target forward for all
+(``decoding/packed.py``). Keeping the cycle's code the same for both is what makes a
+packed step the same maths as B steps one after another: only the model calls are shared.
 
 A cycle that raises (its grammar, a logits processor, its drafter, its stop handling)
 fails alone: its result carries the error and the other cycles of the step go on. So does
-a sequence whose forward raises: when the packed forward raises, every cache drops the
-rows it half-appended and each need is answered by its own forward, so only the sequence
-whose forward fails again is failed.
+a sequence whose forward raises: when a packed forward raises, every cache drops the rows
+it half-appended and each need is answered by its own forward, so only the sequence whose
+forward fails again is failed.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class ForwardNeed:
     token_ids: list[int]
     last_only: bool = False  # only the last row's logits are read
     prompt: bool = False  # prompt rows (a prefill chunk), attended in aligned blocks
+    draft: bool = False  # a forward of the draft model (its cache), not the target
+    target_tokens: int = 0  # a draft forward: what the cycle's verify will forward (the budget counts it)
 
 
 Cycle = Generator[ForwardNeed, torch.Tensor, list[int]]
@@ -47,79 +51,117 @@ class CycleResult:
     error: Exception | None = None  # the cycle raised: its sequence fails alone
 
 
-def forward_alone(target: CausalLM, need: ForwardNeed) -> torch.Tensor:
+def forward_alone(model: CausalLM, need: ForwardNeed) -> torch.Tensor:
     """A need's own forward. Prompt rows go through the packed call (``forward_prompt``),
     so a prefill chunk gets the same attention alone as beside other sequences."""
     if need.prompt:
-        return target.forward_prompt(need.kv, need.token_ids)
-    return target.forward(need.kv, need.token_ids, last_only=need.last_only)
+        return model.forward_prompt(need.kv, need.token_ids)
+    return model.forward(need.kv, need.token_ids, last_only=need.last_only)
 
 
 class StepBatch:
-    """The cycles of one step, in the order added; ``tokens`` counts what they forward."""
+    """The cycles of one step, in the order added; ``tokens`` counts the target tokens they
+    forward (a cycle still drafting counts the verify it plans)."""
 
-    def __init__(self, target: CausalLM, pack: bool) -> None:
-        self.target = target
+    def __init__(self, target: CausalLM, pack: bool, draft: CausalLM | None = None) -> None:
+        self.target, self.draft = target, draft
         self.pack = pack
         self.tokens = 0
-        self.packed_seconds: float | None = None  # the shared forward's wall time, once run
+        self.packed_seconds: float | None = None  # the shared target forward's wall time, once run
         self.packed_tokens = 0  # ... and the tokens it carried
         self._cycles: list[Cycle] = []
         self._results: dict[int, CycleResult] = {}
-        self._needs: list[tuple[int, ForwardNeed]] = []
+        self._pending: dict[int, ForwardNeed] = {}  # packed: each started cycle's next need
 
     def add(self, cycle: Cycle) -> None:
         index = len(self._cycles)
         self._cycles.append(cycle)
-        try:
-            need = next(cycle)
-        except StopIteration as done:  # decided without a forward (e.g. a finished grammar)
-            self._results[index] = CycleResult(done.value)
+        step = _advance(cycle, None)
+        if isinstance(step, CycleResult):  # decided without a forward, or failed
+            self._results[index] = step
             return
-        except Exception as error:  # a failing cycle is reported, not raised
-            self._results[index] = CycleResult([], error)
-            return
-        self.tokens += len(need.token_ids)
+        self.tokens += step.target_tokens if step.draft else len(step.token_ids)
         if self.pack:
-            self._needs.append((index, need))
+            self._pending[index] = step
         else:
-            self._results[index] = self._answer_alone(cycle, need)
+            self._results[index] = self._run_alone(cycle, step)
 
     def run(self) -> list[CycleResult]:
-        """Answer the packed needs with one forward; every cycle's result, in order."""
-        if self._needs:
-            chunks = [Chunk(need.kv, need.token_ids, need.prompt, need.last_only) for _, need in self._needs]
-            try:
-                start = time.perf_counter()
-                rows = packed_forward(self.target, chunks)
-                self.packed_seconds = time.perf_counter() - start
-                self.packed_tokens = sum(len(chunk.token_ids) for chunk in chunks)
-            except Exception:  # find whose forward fails: each need alone, on clean caches
-                for _, need in self._needs:
-                    need.kv.discard_unrecorded()
-                for index, need in self._needs:
-                    self._results[index] = self._answer_alone(self._cycles[index], need)
-            else:
-                for (index, _), logits in zip(self._needs, rows, strict=True):
-                    self._results[index] = _finish(self._cycles[index], logits)
-            self._needs = []
+        """Answer the pending needs in packed rounds; every cycle's result, in order."""
+        while any(need.draft for need in self._pending.values()):
+            self._round(draft=True)
+        if self._pending:
+            self._round(draft=False)
         return [self._results[index] for index in range(len(self._cycles))]
 
-    def _answer_alone(self, cycle: Cycle, need: ForwardNeed) -> CycleResult:
-        try:
-            logits = forward_alone(self.target, need)
-        except Exception as error:  # this sequence's forward fails: it fails alone
-            need.kv.discard_unrecorded()
-            cycle.close()
-            return CycleResult([], error)
-        return _finish(cycle, logits)
+    def _round(self, draft: bool) -> None:
+        """One forward over the pending needs of one model (packed where that model is
+        row-exact, else one by one); each cycle is sent its rows and either finishes or,
+        while drafting, names its next need."""
+        model = self._model(draft)
+        round_needs = [(index, need) for index, need in self._pending.items() if need.draft == draft]
+        answers: list[torch.Tensor | Exception] | None = None
+        if model.row_exact:
+            chunks = [Chunk(need.kv, need.token_ids, need.prompt, need.last_only) for _, need in round_needs]
+            try:
+                start = time.perf_counter()
+                answers = list(packed_forward(model, chunks))
+                if not draft:
+                    self.packed_seconds = time.perf_counter() - start
+                    self.packed_tokens = sum(len(chunk.token_ids) for chunk in chunks)
+            except Exception:  # find whose forward fails: each need alone, on clean caches
+                for _, need in round_needs:
+                    need.kv.discard_unrecorded()
+        if answers is None:
+            answers = [_forward_or_error(model, need) for _, need in round_needs]
+        for (index, _), answer in zip(round_needs, answers, strict=True):
+            if isinstance(answer, Exception):
+                self._cycles[index].close()
+                step: ForwardNeed | CycleResult = CycleResult([], answer)
+            else:
+                step = _advance(self._cycles[index], answer, after_target=not draft)
+            if isinstance(step, CycleResult):
+                del self._pending[index]
+                self._results[index] = step
+            else:
+                self._pending[index] = step
+
+    def _run_alone(self, cycle: Cycle, need: ForwardNeed) -> CycleResult:
+        """A cycle to its end, each need answered by its own forward."""
+        while True:
+            answer = _forward_or_error(self._model(need.draft), need)
+            if isinstance(answer, Exception):  # this sequence's forward fails: it fails alone
+                cycle.close()
+                return CycleResult([], answer)
+            step = _advance(cycle, answer, after_target=not need.draft)
+            if isinstance(step, CycleResult):
+                return step
+            need = step
+
+    def _model(self, draft: bool) -> CausalLM:
+        if draft and self.draft is None:
+            raise RuntimeError("a cycle asked for a draft forward in an engine without a draft model")
+        return self.draft if draft and self.draft is not None else self.target
 
 
-def _finish(cycle: Cycle, logits: torch.Tensor) -> CycleResult:
+def _forward_or_error(model: CausalLM, need: ForwardNeed) -> torch.Tensor | Exception:
+    """A need's own forward, or the exception it raised (its cache then holds its tokens again)."""
     try:
-        cycle.send(logits)
+        return forward_alone(model, need)
+    except Exception as error:
+        need.kv.discard_unrecorded()
+        return error
+
+
+def _advance(cycle: Cycle, logits: torch.Tensor | None, after_target: bool = False) -> ForwardNeed | CycleResult:
+    """Send ``logits`` (None: start the cycle); its next need, or its result."""
+    try:
+        need = next(cycle) if logits is None else cycle.send(logits)
     except StopIteration as done:
         return CycleResult(done.value)
     except Exception as error:  # a failing cycle is reported, not raised
         return CycleResult([], error)
-    raise RuntimeError("a cycle needs at most one target forward")
+    if after_target:
+        cycle.close()
+        return CycleResult([], RuntimeError("a cycle needs at most one target forward, its last"))
+    return need

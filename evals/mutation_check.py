@@ -41,7 +41,7 @@ MUTATIONS = (
     ),
     Mutation(
         "target_kv_keeps_a_rejected_token",
-        "decoding/engine.py",
+        "decoding/cycles.py",
         "seq.kv.crop(kept_before + 1 + accepted_len)",
         "seq.kv.crop(min(kept_before + 2 + accepted_len, len(seq.kv)))",
         ("tests/test_kv_rollback.py", "tests/test_engine.py::test_greedy_speculation_equals_plain_greedy"),
@@ -76,9 +76,9 @@ MUTATIONS = (
     ),
     Mutation(
         "stop_token_not_honoured_inside_a_candidate",
-        "decoding/engine.py",
-        "if token in seq.stop_ids:",
-        "if token in seq.stop_ids and token is committed[-1]:",
+        "decoding/sequence.py",
+        "if token in self.stop_ids:",
+        "if token in self.stop_ids and token is committed[-1]:",
         ("tests/test_engine.py",),
     ),
     Mutation(
@@ -98,15 +98,15 @@ MUTATIONS = (
     Mutation(
         "policy_never_probes_after_backing_off",
         "decoding/policy.py",
-        "if estimate.declined > self.config.probe_interval:",
-        "if False:",
+        "if estimate.observed == 0 or estimate.declined > self.config.probe_interval:",
+        "if estimate.observed == 0:",
         ("tests/test_policy.py", "tests/test_engine_policy.py"),
     ),
     Mutation(
         "gamma_choice_ignores_verify_cost",
         "decoding/policy.py",
-        "seconds = gamma * draft_token_seconds + cost.forward_seconds(gamma + 1)",
-        "seconds = cost.forward_seconds(1)",
+        "seconds = gamma * draft_token_seconds + cost.forward_seconds(load.tokens + gamma + 1)",
+        "seconds = cost.forward_seconds(load.tokens + 1)",
         ("tests/test_policy.py",),
     ),
     Mutation(
@@ -132,14 +132,14 @@ MUTATIONS = (
     ),
     Mutation(
         "verify_rows_not_masked",
-        "decoding/engine.py",
+        "decoding/cycles.py",
         "target_logits = mask_logits(target_logits, bitmask)",
         "pass",
         ("tests/test_grammar.py",),
     ),
     Mutation(
         "draft_q_not_masked",
-        "decoding/engine.py",
+        "decoding/sequence.py",
         "processors.append(grammar.draft_processor(len(request.prompt_tokens)))",
         "pass",
         ("tests/test_engine_sampling.py::test_constrained_engine_sampling_matches_the_masked_target",),
@@ -153,7 +153,7 @@ MUTATIONS = (
     ),
     Mutation(
         "unenforced_schema_keyword_accepted",
-        "decoding/grammar_compile.py",
+        "decoding/schema_support.py",
         "raise UnsupportedSchemaError(keyword, node_path)",
         "pass",
         ("tests/test_grammar.py",),
@@ -203,9 +203,16 @@ MUTATIONS = (
     Mutation(
         "failed_packed_forward_leaves_half_appended_rows",
         "decoding/step_driver.py",
-        "                for _, need in self._needs:\n                    need.kv.discard_unrecorded()\n",
-        "",
+        "                for _, need in round_needs:\n                    need.kv.discard_unrecorded()\n",
+        "                pass\n",
         ("tests/test_scheduler.py::test_a_sequence_whose_forward_raises_fails_alone",),
+    ),
+    Mutation(
+        "lockstep_drafts_get_another_sequences_rows",
+        "decoding/step_driver.py",
+        "        for (index, _), answer in zip(round_needs, answers, strict=True):",
+        "        for (index, _), answer in zip(round_needs, answers[::-1] if draft else answers, strict=True):",
+        ("tests/test_packed.py::test_model_drafters_draft_in_lockstep_and_change_no_output",),
     ),
     Mutation(
         "kv_admission_promises_too_few_blocks",
@@ -265,7 +272,7 @@ MUTATIONS = (
     ),
     Mutation(
         "answerability_gate_never_abstains",
-        "agent/loop.py",
+        "agent/loop_probes.py",
         '"abstained": threshold is not None and probability >= threshold,',
         '"abstained": False,',
         ("tests/test_answerability.py",),

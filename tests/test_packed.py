@@ -140,3 +140,52 @@ def test_an_engine_step_over_many_sequences_is_one_packed_forward_and_changes_no
     while engine.has_unfinished():
         engine.step()
     assert calls and max(calls) == 1  # pack=False: one forward per sequence (a prefill chunk alone too)
+
+
+def test_model_drafters_draft_in_lockstep_and_change_no_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sequences whose draft model won share each draft forward (one packed draft call per
+    draft position for all of them), and every output equals the sequence's run alone."""
+    from decoding import step_driver
+    from decoding.engine import Engine
+    from decoding.request import GenerationRequest
+    from decoding.sampling import SamplingParams
+
+    target, draft = tiny_causal_lm(48, seed=0), tiny_causal_lm(48, seed=0)  # the same weights: drafts accepted
+    target.row_exact = draft.row_exact = True  # float64: rows agree to rounding, so packing is exact
+    draft_calls: list[int] = []
+    real = step_driver.packed_forward
+
+    def counted(lm: CausalLM, chunks: list[Chunk]) -> list[torch.Tensor]:
+        if lm is draft:
+            draft_calls.append(len(chunks))
+        return real(lm, chunks)
+
+    monkeypatch.setattr(step_driver, "packed_forward", counted)
+    prompts = [[(5 * seed + 2 * i) % 48 for i in range(9 + seed)] for seed in range(3)]
+    requests = [
+        GenerationRequest(
+            prompt,
+            max_tokens=10,
+            stop_token_ids=[],
+            speculation="on",
+            drafter="model",
+            num_speculative_tokens=3,
+            sampling=SamplingParams(temperature=0.7, seed=2) if index == 1 else SamplingParams(),
+        )
+        for index, prompt in enumerate(prompts)
+    ]
+    engine = Engine(target, draft, debug=True)
+    ids = [engine.add(request) for request in requests]
+    outputs: dict[int, list[int]] = {seq_id: [] for seq_id in ids}
+    accepted: dict[int, list[int]] = {}
+    while engine.has_unfinished():
+        for event in engine.step():
+            outputs[event.seq_id] += event.token_ids
+            if event.finished:
+                accepted[event.seq_id] = event.stats.acceptance_by_position
+    assert draft_calls and max(draft_calls) == len(requests)  # one draft forward for all three
+    for seq_id, request in zip(ids, requests, strict=True):
+        events = list(Engine(target, draft, debug=True).generate(request))
+        assert outputs[seq_id] == [token for event in events for token in event.token_ids]
+        assert accepted[seq_id] == events[-1].stats.acceptance_by_position  # the same drafts, too
+    assert sum(sum(counts) for counts in accepted.values()) > 10

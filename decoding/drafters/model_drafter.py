@@ -8,7 +8,7 @@ drawn from. On commit, its cache is cropped back to the committed prefix.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import torch
 
@@ -43,9 +43,24 @@ class ModelDrafter:
         self._proposal_open = False
 
     def propose(self, context: Sequence[int], max_tokens: int) -> Draft:
+        """Up to ``max_tokens`` draft tokens, each draft-model forward run here."""
+        steps = self.drafting(context, max_tokens)
+        try:
+            kv, token_ids = next(steps)
+            while True:
+                kv, token_ids = steps.send(self.model.forward(kv, token_ids, last_only=True)[-1])
+        except StopIteration as done:
+            return done.value
+
+    def drafting(
+        self, context: Sequence[int], max_tokens: int
+    ) -> Generator[tuple[SequenceKV, list[int]], torch.Tensor, Draft]:
+        """``propose`` as a generator: it yields each forward it needs (its cache and the
+        new tokens) and is sent that forward's last-row logits [V]. The engine answers the
+        forwards of every sequence drafting in a step with one packed forward (lockstep)."""
         if max_tokens <= 0:
             return Draft([], None, SOURCE)
-        logits = self._catch_up(context)
+        logits = yield from self._catch_up(context)
         self._context_len = len(context)
         self._fed_drafts = 0
         self._proposal_open = True
@@ -62,7 +77,7 @@ class ModelDrafter:
                 rows.append(q)
             tokens.append(token)
             if position + 1 < max_tokens:
-                logits = self.model.forward(self.kv, [token], last_only=True)[-1]
+                logits = yield self.kv, [token]
                 self._fed_drafts += 1
         return Draft(tokens, torch.stack(rows) if rows else None, SOURCE)
 
@@ -73,15 +88,16 @@ class ModelDrafter:
         self.kv.crop(self._context_len + min(accepted_len, self._fed_drafts))
         self._proposal_open = False
 
-    def _catch_up(self, context: Sequence[int]) -> torch.Tensor:
-        """Feed the committed tokens the cache lacks; return the next-token logits."""
+    def _catch_up(self, context: Sequence[int]) -> Generator[tuple[SequenceKV, list[int]], torch.Tensor, torch.Tensor]:
+        """Feed the committed tokens the cache lacks; return the next-token logits. The
+        first proposal's prompt prefill runs here, once, through the prefix cache."""
         if len(self.kv) >= len(context):
             # Every token is cached already but its logits are gone: recompute the last.
             self.kv.crop(len(context) - 1)
-        missing = context[len(self.kv) :]
+        missing = list(context[len(self.kv) :])
         if len(self.kv) == 0:
             return prefill_cached(self.model, self.kv, missing, self.prefix_cache)[0]
-        return self.model.forward(self.kv, missing, last_only=True)[-1]
+        return (yield self.kv, missing)
 
     def cache_matches(self, context: Sequence[int]) -> bool:
         """Debug check: the cache holds a prefix of ``context`` and nothing else."""
