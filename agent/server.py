@@ -47,6 +47,7 @@ from agent.worker import QueueFull, WorkerStopped
 T = TypeVar("T")
 OPEN_PATHS = frozenset({"/healthz"})
 OVERLOAD_ERRORS = frozenset({"QueueFull", "WorkerStopped"})  # agent error events that mean "retry later"
+TOO_LARGE = "RequestTooLarge"  # an agent error event: a prompt + max_tokens the KV pool could never hold
 _DONE = object()
 _ERRORS = {
     400: "invalid request: the field at fault is named",
@@ -163,9 +164,9 @@ def create_app(
         options = await anyio.to_thread.run_sync(_run_options, agent, data, limits)
         events = iterate_in_thread(agent.stream(data.question, **options))
         first = await anext(events)
-        if first["event"] == "error" and first["data"].get("type") in OVERLOAD_ERRORS:
+        if first["event"] == "error" and first["data"].get("type") in {*OVERLOAD_ERRORS, TOO_LARGE}:
             await events.aclose()
-            raise overloaded(first["data"].get("message", "the server is busy"))
+            raise _refusal(first["data"])
         if not data.stream:
             async with aclosing(events):
                 return Response(await _collect_run(agent, metrics, first, events, received))
@@ -270,11 +271,19 @@ async def _collect_run(
             return event["data"]
         if event["event"] == "error":
             error = event["data"]
-            if error.get("type") in OVERLOAD_ERRORS:
-                raise overloaded(error.get("message", "the server is busy"))
+            if error.get("type") in {*OVERLOAD_ERRORS, TOO_LARGE}:
+                raise _refusal(error)
             logger.error("agent run failed: %s: %s", error.get("type"), error.get("message"))
             raise ApiError(500, "internal error", type="internal_error")
         event = await anext(events)
+
+
+def _refusal(error: dict[str, Any]) -> ApiError:
+    """An agent error event that is the caller's to act on: busy (503) or too large (400)."""
+    message = str(error.get("message", "the server is busy"))
+    if error.get("type") == TOO_LARGE:
+        return invalid("max_tokens", message, code="context_length_exceeded")
+    return overloaded(message)
 
 
 async def _run_sse(

@@ -7,7 +7,7 @@ the tokens left (``RequestPolicy.plan``), so the pending token and γ drafts end
 position ``prompt + max_tokens``. So a running sequence never finds the pool full, and none
 is ever preempted or killed for memory; a request that cannot be promised its blocks
 waits, oldest first (vLLM's FCFS waiting queue), and one that could never fit is refused
-at ``add`` with a ValueError.
+at ``add`` with ``RequestTooLarge`` (a ValueError).
 
 The target and a draft model each get a pool with the same number of blocks (a draft's
 cache never runs ahead of the target's), and each its own prefix cache when prefix
@@ -24,6 +24,10 @@ from decoding.kv_pool import KVPool
 from decoding.model import CausalLM
 from decoding.prefix_cache import PrefixCache
 from decoding.request import GenerationRequest
+
+
+class RequestTooLarge(ValueError):
+    """A request whose prompt plus ``max_tokens`` no empty KV pool could hold."""
 
 
 class KVManager:
@@ -76,7 +80,7 @@ class KVManager:
         """A request no empty pool could hold is refused now rather than waiting forever."""
         needed = self.blocks_needed(request)
         if self.pool is not None and needed > self.pool.num_blocks:
-            raise ValueError(
+            raise RequestTooLarge(
                 f"prompt_tokens + max_tokens = {len(request.prompt_tokens) + request.max_tokens} positions need "
                 f"{needed} KV blocks of {self.pool.block_tokens}; the pool holds {self.pool.num_blocks} "
                 "(raise SPECRAG_KV_CACHE_BYTES or lower max_tokens)"

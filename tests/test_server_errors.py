@@ -172,5 +172,7 @@ def test_a_request_the_kv_pool_could_never_hold_is_context_length_exceeded(
             error = assert_error(client.post(CHAT, json=chat(max_tokens=200)), 400, "max_tokens")
             assert error["code"] == "context_length_exceeded" and "KV blocks" in error["message"]
             assert client.post(CHAT, json=chat(max_tokens=4)).status_code == 200
+            error = assert_error(client.post(RUNS, json={"question": "What is 2+2?", "max_tokens": 32}), 400)
+            assert error["code"] == "context_length_exceeded" and "KV blocks" in error["message"]
     finally:
         agent.close()
