@@ -109,7 +109,7 @@ def plan_chat(agent: Any, body: ChatCompletionRequest, limits: ServerLimits) -> 
         logits_processors=_penalty_processors(body, len(prompt)),
         grammar=grammar,
     )
-    kv = getattr(agent.engine, "kv", None)
+    kv = getattr(getattr(agent, "engine", None), "kv", None)
     try:
         if kv is not None:
             kv.check_fits(request)  # a request the KV pool could never hold waits forever otherwise
