@@ -135,8 +135,10 @@ class BlockTable:
             with self.pool.lock:
                 for block in reversed(dropped):
                     self.pool.release(block)
-                self.pool.reserved += len(dropped)  # just freed, so the promise holds
-                self.reserved += len(dropped)
+                # Only blocks nobody else holds came back to the pool: those the promise may count.
+                freed = sum(self.pool.refcount(block) == 0 for block in dropped)
+                self.pool.reserved += freed
+                self.reserved += freed
 
     def release(self) -> None:
         """Give every block and the unspent promise back (the sequence finished or left)."""

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from decoding.engine import Engine
 from decoding.fast_paths import attend_prompt_blocks
 from decoding.model import PREFILL_CHUNK_TOKENS, CausalLM
-from decoding.request import GenerationRequest
+from decoding.request import GenerationEvent, GenerationRequest
 from decoding.sampling import SamplingParams
 from tests.conftest import tiny_causal_lm
 
@@ -76,6 +76,18 @@ def test_the_budget_admits_the_oldest_prompt_chunk_and_more_only_while_it_lasts(
     assert (engine.num_running(), engine.num_waiting()) == (3, 0)
 
 
+def run_to_the_end(engine: Engine, ids: list[int]) -> tuple[dict[int, list[int]], dict[int, GenerationEvent]]:
+    """Step until every sequence finished: each one's tokens, and the events that carried an error."""
+    outputs: dict[int, list[int]] = {seq_id: [] for seq_id in ids}
+    errors: dict[int, GenerationEvent] = {}
+    while engine.has_unfinished():
+        for event in engine.step():
+            outputs[event.seq_id] += event.token_ids
+            if event.error is not None:
+                errors[event.seq_id] = event
+    return outputs, errors
+
+
 class FailsAt:
     """A prefix-only processor that raises once the output reaches ``position`` tokens."""
 
@@ -101,13 +113,7 @@ def test_a_sequence_whose_processor_raises_fails_alone(row_exact: bool) -> None:
     failing = request(prompts[1], max_tokens=14, logits_processors=[FailsAt(len(prompts[1]), 4)])
     engine = Engine(target, debug=True, min_ngram=1)
     ids = [engine.add(one) for one in (healthy[0], failing, healthy[1])]
-    outputs: dict[int, list[int]] = {seq_id: [] for seq_id in ids}
-    errors = {}
-    while engine.has_unfinished():
-        for event in engine.step():
-            outputs[event.seq_id] += event.token_ids
-            if event.error is not None:
-                errors[event.seq_id] = event
+    outputs, errors = run_to_the_end(engine, ids)
     assert list(errors) == [ids[1]]
     assert errors[ids[1]].finished and errors[ids[1]].finish_reason == "error"
     assert "planted" in str(errors[ids[1]].error)
@@ -135,13 +141,7 @@ def test_a_sequence_whose_forward_raises_fails_alone(row_exact: bool) -> None:
         return real_update(*args, **kwargs)
 
     layer.update = update
-    outputs: dict[int, list[int]] = {seq_id: [] for seq_id in ids}
-    errors = {}
-    while engine.has_unfinished():
-        for event in engine.step():
-            outputs[event.seq_id] += event.token_ids
-            if event.error is not None:
-                errors[event.seq_id] = event
+    outputs, errors = run_to_the_end(engine, ids)
     assert list(errors) == [ids[1]] and "planted" in str(errors[ids[1]].error)
     assert outputs[ids[0]] == alone(target, requests[0]) and outputs[ids[2]] == alone(target, requests[2])
     engine.kv.pool.check([])  # the failed sequence gave its blocks back too
