@@ -10,8 +10,9 @@ measurement on the machine at hand, whether they reach bit-exactness:
    as two copies or alone (``SkinnyLinear.min_rows``), unchunked first, then with K split
    into chunks of at most ``CHUNK_LIMITS``; the first exact setting is kept. (AMX Xeon:
    every shape is exact unchunked with single rows padded to two; one row alone differs
-   from many for K > 4096, Qwen's MLP down projections. float32 GEMMs are not
-   row-invariant at any K.)
+   from many for K > 4096, Qwen's MLP down projections. MKL's float32 GEMMs are not
+   row-invariant at any K; oneDNN's float32 inner product is, from two rows on, on the
+   AVX512-BF16 EPYC, so a float32 layer tries it first.)
 2. where a layer is exact both with and without the padding, it pads, always: the choice
    is a fixed rule, never a timing. Both settings are row-exact, so either keeps
    speculation invisible, but the one-token step itself rounds differently under each, and
@@ -22,7 +23,8 @@ measurement on the machine at hand, whether they reach bit-exactness:
    against one verify forward over the same tokens, every logit compared bitwise.
 
 Either probe failing leaves the model as it was (``row_exact`` False): the engine is then
-exact only up to near-ties, as float32 has always been (``decoding/numerics.py``).
+exact only up to near-ties (``decoding/numerics.py``), and the engine gives each sequence
+its own forwards, since a packed one would round by the batch.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from decoding.fast_paths import SkinnyLinear, even_chunks, uses_specrag_attention
+from decoding.fast_paths import SkinnyLinear, even_chunks, onednn_available, uses_specrag_attention
 
 if TYPE_CHECKING:
     from decoding.model import CausalLM
@@ -45,12 +47,14 @@ VERIFY_TOKENS = 9  # a verify of γ = 8, the policy's usual largest
 
 @dataclass(frozen=True)
 class LinearSetting:
-    """How a layer computes to be row-exact: single rows padded to two, K-chunks, and
-    whether the padding could be dropped (both row counts are exact; it is kept anyway)."""
+    """How a layer computes to be row-exact: single rows padded to two, K-chunks, whether
+    the padding could be dropped (both row counts are exact; it is kept anyway), and
+    whether the product goes through oneDNN (float32)."""
 
     min_rows: int
     k_chunks: tuple[tuple[int, int], ...]
     padding_optional: bool
+    onednn: bool = False
 
 
 _SETTING_BY_SHAPE: dict[tuple[int, int, torch.dtype], LinearSetting | None] = {}
@@ -70,24 +74,35 @@ def linear_rows_are_exact(layer: SkinnyLinear, generator: torch.Generator) -> bo
 
 
 def find_row_exact_setting(layer: SkinnyLinear) -> LinearSetting | None:
-    """The first setting that makes ``layer`` row-exact, cheapest first: unchunked with
-    single rows padded to two (measured on the AMX Xeon: products of 2..24 rows agree for
-    every Qwen shape, K = 8960 included, while one row alone differs from them for
-    K > 4096), unchunked one-row, then ever smaller K-chunks. The layer keeps it."""
+    """The first setting that makes ``layer`` row-exact, cheapest first: a float32 layer
+    through oneDNN (``fast_paths.onednn_available``: MKL's float32 GEMM is row-exact at no
+    K-chunking), then unchunked with single rows padded to two (measured on the AMX Xeon:
+    products of 2..24 rows agree for every Qwen shape, K = 8960 included, while one row
+    alone differs from them for K > 4096), unchunked one-row, then ever smaller K-chunks.
+    The layer keeps it."""
     generator = torch.Generator().manual_seed(0)
     in_features = layer.weight.shape[1]
     chunkings = [()] + [even_chunks(in_features, limit) for limit in CHUNK_LIMITS if in_features > limit]
-    for chunks in chunkings:
+    candidates = [(True, ())] if onednn_available(layer.weight) else []
+    candidates += [(False, chunks) for chunks in chunkings]
+    for onednn, chunks in candidates:
         exact = {}
         for min_rows in (2, 1):
-            layer.k_chunks, layer.min_rows = chunks, min_rows
+            layer.onednn, layer.k_chunks, layer.min_rows = onednn, chunks, min_rows
             exact[min_rows] = linear_rows_are_exact(layer, generator)
         if exact[2] or exact[1]:
-            setting = LinearSetting(2 if exact[2] else 1, chunks, exact[2] and exact[1])
-            layer.k_chunks, layer.min_rows = setting.k_chunks, setting.min_rows
+            setting = LinearSetting(2 if exact[2] else 1, chunks, exact[2] and exact[1], onednn)
+            _apply(layer, setting)
             return setting
-    layer.k_chunks, layer.min_rows = (), 1
+    _apply(layer, None)
     return None
+
+
+def _apply(layer: SkinnyLinear, setting: LinearSetting | None) -> None:
+    if setting is None:
+        layer.onednn, layer.k_chunks, layer.min_rows = False, (), 1
+    else:
+        layer.onednn, layer.k_chunks, layer.min_rows = setting.onednn, setting.k_chunks, setting.min_rows
 
 
 def find_row_exact_chunking(layer: SkinnyLinear) -> tuple[tuple[int, int], ...] | None:
@@ -108,14 +123,14 @@ def make_linears_row_exact(model: torch.nn.Module) -> bool:
         if setting is None:
             reset_linears(model)
             return False
-        layer.k_chunks, layer.min_rows = setting.k_chunks, setting.min_rows
+        _apply(layer, setting)
     return bool(layers)
 
 
 def reset_linears(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, SkinnyLinear):
-            module.k_chunks, module.min_rows = (), 1
+            _apply(module, None)
 
 
 @torch.inference_mode()

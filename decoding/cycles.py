@@ -2,38 +2,38 @@
 
 The engine (``decoding/engine.py``) decides which cycle a sequence runs and with which
 draft; these generators do it. Each yields the one target forward it needs
-(``ForwardNeed``, answered alone or packed by ``decoding/step_driver.py``), is sent its
-logits, and returns the tokens it committed. ``observe`` hears each forward's token count
+(``ForwardNeed``, answered alone or packed by ``decoding/step_driver.py``) with its rows'
+grammar mask and logits processors, is sent its rows processed and masked, and returns the
+tokens it committed. ``observe`` hears each forward's token count
 and start time (the engine's cost model, around the maths, never inside it).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from decoding import policy as policies
 from decoding.acceptance import accept_draft
 from decoding.drafters import Draft
-from decoding.grammar import mask_logits
 from decoding.request import apply_processors
 from decoding.sampling import select_token
 from decoding.sequence import SequenceState
-from decoding.step_driver import Cycle, ForwardNeed
+from decoding.step_driver import Cycle, ForwardNeed, RowProcessor
 
 ForwardObserver = Callable[[int, float], None]  # (tokens forwarded, perf_counter at the start)
 
 
 def plain_step(seq: SequenceState, observe: ForwardObserver, off_reason: str | None) -> Cycle:
-    """One token: forward the pending token, mask, select, commit."""
+    """One token: forward the pending token (its row processed and masked by the step), select, commit."""
+    bitmask = next_mask(seq)
     with seq.stats.timed("decode"):
         start = time.perf_counter()
-        logits = (yield ForwardNeed(seq.kv, seq.tokens[-1:], last_only=True))[-1]
+        need = ForwardNeed(seq.kv, seq.tokens[-1:], last_only=True, prepare=row_processor(seq), bitmask=bitmask)
+        logits = (yield need)[-1]
         observe(1, start)
-        logits = apply_processors(seq.request.logits_processors, seq.tokens, logits)
-    logits = mask_next(seq, logits)
     token = select_token(logits, seq.request.sampling, seq.generator)
     grammar_accept(seq, token)
     seq.stats.target_calls += 1
@@ -55,18 +55,12 @@ def speculative_step(seq: SequenceState, observe: ForwardObserver, draft: Draft)
     kept_before = len(seq.kv)
     with seq.stats.timed("verify"):
         start = time.perf_counter()
-        target_logits = yield ForwardNeed(seq.kv, [seq.tokens[-1], *draft.tokens])
+        need = ForwardNeed(
+            seq.kv, [seq.tokens[-1], *draft.tokens], prepare=row_processor(seq, draft.tokens), bitmask=bitmask
+        )
+        target_logits = yield need
         observe(len(draft.tokens) + 1, start)
     seq.stats.target_calls += 1
-    processors = seq.request.logits_processors
-    if processors:  # row i follows the committed tokens and the first i drafts
-        rows = [
-            apply_processors(processors, [*seq.tokens, *draft.tokens[:i]], row) for i, row in enumerate(target_logits)
-        ]
-        target_logits = torch.stack(rows)
-    if bitmask is not None:  # after the processors, as on the plain path and for q
-        with seq.stats.timed("grammar"):
-            target_logits = mask_logits(target_logits, bitmask)
     with seq.stats.timed("accept"):
         accepted_len, committed = accept_draft(draft, target_logits, seq.request.sampling, seq.generator)
     if seq.grammar is not None:
@@ -82,11 +76,27 @@ def speculative_step(seq: SequenceState, observe: ForwardObserver, draft: Draft)
     return seq.commit(committed)
 
 
-def mask_next(seq: SequenceState, logits: torch.Tensor) -> torch.Tensor:
+def row_processor(seq: SequenceState, drafts: Sequence[int] = ()) -> RowProcessor | None:
+    """The request's logits processors over a forward's rows: row i follows the committed
+    tokens and the first i drafts (None: the request has none)."""
+    processors = seq.request.logits_processors
+    if not processors:
+        return None
+
+    def process(rows: torch.Tensor) -> torch.Tensor:
+        return torch.stack(
+            [apply_processors(processors, [*seq.tokens, *drafts[:i]], row) for i, row in enumerate(rows)]
+        )
+
+    return process
+
+
+def next_mask(seq: SequenceState) -> torch.Tensor | None:
+    """The grammar's mask [1, ceil(V/32)] for the token after the committed ones, if any."""
     if seq.grammar is None:
-        return logits
+        return None
     with seq.stats.timed("grammar"):
-        return mask_logits(logits, seq.grammar.next_bitmask()[0])
+        return seq.grammar.next_bitmask()
 
 
 def grammar_accept(seq: SequenceState, token: int) -> None:

@@ -43,7 +43,7 @@ from collections.abc import Generator, Iterator
 import torch
 
 from decoding import policy as policies
-from decoding.cycles import grammar_accept, mask_next, plain_step, speculative_step
+from decoding.cycles import grammar_accept, next_mask, plain_step, row_processor, speculative_step
 from decoding.drafters import Draft, Drafter, ModelDrafter
 from decoding.drafters.model_drafter import SOURCE as MODEL_SOURCE
 from decoding.forward_timer import ForwardTimer
@@ -56,7 +56,6 @@ from decoding.request import (
     DrafterKind,
     GenerationEvent,
     GenerationRequest,
-    apply_processors,
     speculation_supported,
     validate,
 )
@@ -106,8 +105,9 @@ class Engine:
         self._shared_acceptance: dict[str, policies.AcceptanceEstimate] = {}
         # A step over several sequences packs their forwards into one (decoding/step_driver.py)
         # where that changes no logit: in row-exact mode the packed rows are bit-identical to
-        # the forwards alone. A float32 product rounds differently with the row count, and the
-        # text must not depend on which requests share a step, so there they run one by one.
+        # the forwards alone (bf16 and float32 on the CPUs measured). Where the probe failed,
+        # a product rounds differently with the row count, and the text must not depend on
+        # which requests share a step, so there they run one by one.
         self.pack = pack
         self._packing = False
         # Tokens one step forwards beyond which no further prefill chunk is admitted (vLLM's
@@ -368,16 +368,18 @@ class Engine:
 
     def _prefill_chunk(self, seq: SequenceState, end: int) -> Cycle:
         """Prompt rows up to ``end``; the last chunk's logits give the first token."""
+        last = end == len(seq.tokens)  # its row gives the first token: processed and masked
+        bitmask = next_mask(seq) if last else None
         with seq.stats.timed("prefill"):
             chunk = seq.tokens[len(seq.kv) : end]
-            logits = (yield ForwardNeed(seq.kv, chunk, last_only=True, prompt=True))[-1]
+            prepare = row_processor(seq) if last else None
+            need = ForwardNeed(seq.kv, chunk, last_only=True, prompt=True, prepare=prepare, bitmask=bitmask)
+            logits = (yield need)[-1]
             seq.stats.target_calls += 1
-            if end < len(seq.tokens):
+            if not last:
                 return []
             if self.prefix_cache is not None:
                 self.prefix_cache.insert(seq.kv)  # the next request sharing the prompt hits
-            logits = apply_processors(seq.request.logits_processors, seq.tokens, logits)
-        logits = mask_next(seq, logits)
         seq.prefilled = True
         token = select_token(logits, seq.request.sampling, seq.generator)
         grammar_accept(seq, token)

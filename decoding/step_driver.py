@@ -22,14 +22,17 @@ forward fails again is failed.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
 
+from decoding.grammar import mask_logits
 from decoding.kv import SequenceKV
 from decoding.model import CausalLM
 from decoding.packed import Chunk, packed_forward
+
+RowProcessor = Callable[[torch.Tensor], torch.Tensor]  # a sequence's logits processors over its rows
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,8 @@ class ForwardNeed:
     prompt: bool = False  # prompt rows (a prefill chunk), attended in aligned blocks
     draft: bool = False  # a forward of the draft model (its cache), not the target
     target_tokens: int = 0  # a draft forward: what the cycle's verify will forward (the budget counts it)
+    prepare: RowProcessor | None = None  # the request's logits processors, run on its rows first
+    bitmask: torch.Tensor | None = None  # then the grammar's mask, one int32 row per logits row
 
 
 Cycle = Generator[ForwardNeed, torch.Tensor, list[int]]
@@ -114,6 +119,7 @@ class StepBatch:
                     need.kv.discard_unrecorded()
         if answers is None:
             answers = [_forward_or_error(model, need) for _, need in round_needs]
+        answers = prepared([need for _, need in round_needs], answers)
         for (index, _), answer in zip(round_needs, answers, strict=True):
             if isinstance(answer, Exception):
                 self._cycles[index].close()
@@ -129,7 +135,7 @@ class StepBatch:
     def _run_alone(self, cycle: Cycle, need: ForwardNeed) -> CycleResult:
         """A cycle to its end, each need answered by its own forward."""
         while True:
-            answer = _forward_or_error(self._model(need.draft), need)
+            answer = prepared([need], [_forward_or_error(self._model(need.draft), need)])[0]
             if isinstance(answer, Exception):  # this sequence's forward fails: it fails alone
                 cycle.close()
                 return CycleResult([], answer)
@@ -142,6 +148,32 @@ class StepBatch:
         if draft and self.draft is None:
             raise RuntimeError("a cycle asked for a draft forward in an engine without a draft model")
         return self.draft if draft and self.draft is not None else self.target
+
+
+def prepared(needs: list[ForwardNeed], answers: list[torch.Tensor | Exception]) -> list[torch.Tensor | Exception]:
+    """Each need's rows through its logits processors, then one grammar mask over the rows
+    of every constrained need (one bitmask for all rows, one matcher per sequence filled
+    it). Processors go first, on the plain path and the verify alike, so the grammar has
+    the last word; a processor that raises fails its own sequence."""
+    answers = list(answers)
+    for index, (need, answer) in enumerate(zip(needs, answers, strict=True)):
+        if need.prepare is not None and not isinstance(answer, Exception):
+            try:
+                answers[index] = need.prepare(answer)
+            except Exception as error:
+                answers[index] = error
+    masked = [
+        index
+        for index, (need, answer) in enumerate(zip(needs, answers, strict=True))
+        if need.bitmask is not None and not isinstance(answer, Exception)
+    ]
+    if masked:
+        rows = [answers[index] for index in masked]
+        step_bitmask = torch.cat([needs[index].bitmask for index in masked])  # type: ignore[misc]
+        all_rows = mask_logits(torch.cat(rows), step_bitmask)  # type: ignore[arg-type]
+        for index, part in zip(masked, all_rows.split([len(row) for row in rows]), strict=True):
+            answers[index] = part
+    return answers
 
 
 def _forward_or_error(model: CausalLM, need: ForwardNeed) -> torch.Tensor | Exception:

@@ -133,9 +133,16 @@ MUTATIONS = (
     Mutation(
         "verify_rows_not_masked",
         "decoding/cycles.py",
-        "target_logits = mask_logits(target_logits, bitmask)",
-        "pass",
+        "prepare=row_processor(seq, draft.tokens), bitmask=bitmask",
+        "prepare=row_processor(seq, draft.tokens), bitmask=None",
         ("tests/test_grammar.py",),
+    ),
+    Mutation(
+        "step_mask_rows_given_to_the_wrong_sequence",
+        "decoding/step_driver.py",
+        "step_bitmask = torch.cat([needs[index].bitmask for index in masked])",
+        "step_bitmask = torch.cat([needs[index].bitmask for index in masked][::-1])",
+        ("tests/test_batch_exactness.py",),
     ),
     Mutation(
         "draft_q_not_masked",

@@ -117,6 +117,26 @@ def test_padding_where_both_ways_are_exact_is_a_fixed_rule(monkeypatch: pytest.M
     assert not hasattr(batch_invariance, "time")  # nothing in row-exact mode is decided by a clock
 
 
+def test_a_float32_layer_is_row_exact_through_onednn_and_mkl_alone_is_not() -> None:
+    """MKL's float32 GEMM rounds a row by the row count (the reason float32 steps were not
+    packed); oneDNN's inner product, where the probe finds it exact, is tried first."""
+    generator = torch.Generator().manual_seed(4)
+    layer = _random_linear(1536, 576, torch.float32, generator)
+    assert not batch_invariance.linear_rows_are_exact(layer, generator)  # the MKL form
+    if not fast_paths.onednn_available(layer.weight):
+        pytest.skip("this torch has no oneDNN inner product")
+    setting = batch_invariance.find_row_exact_setting(layer)
+    if setting is None:
+        pytest.skip("oneDNN's float32 product is not row-exact on this CPU: float32 steps stay unpacked")
+    assert setting.onednn and setting.min_rows == 2 and layer.onednn
+    x = torch.randn(33, 1536, generator=generator)
+    together = layer(x)
+    assert all(torch.equal(layer(x[row : row + 1])[0], together[row]) for row in range(33))
+    torch.testing.assert_close(together, x @ layer.weight.T, atol=1e-3, rtol=0)  # the same product (|y| ~ 20)
+    batch_invariance.reset_linears(torch.nn.Sequential(layer))
+    assert not layer.onednn and layer.min_rows == 1
+
+
 def test_native_bf16_cpus_get_a_row_exact_smollm2() -> None:
     if not dtype_choice.cpu_has_native_bf16():
         pytest.skip("this CPU has no native bf16: dtype auto is float32 here")

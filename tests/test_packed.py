@@ -66,15 +66,17 @@ def test_sequences_never_see_each_other() -> None:
         packed_forward(lm, [Chunk(first, [1]), Chunk(first, [2])])
 
 
-def test_where_bf16_is_row_exact_a_packed_step_is_bit_for_bit_the_sequences_alone() -> None:
-    """smollm2 in bfloat16 on a CPU whose bf16 GEMM is row-invariant (the probe of
-    decoding/batch_invariance.py): batching the step changes no bit of any logit, so
-    greedy output cannot depend on the batch. Where the probe fails, row-exact is off."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_where_row_exact_a_packed_step_is_bit_for_bit_the_sequences_alone(dtype: str) -> None:
+    """smollm2 on a CPU whose GEMM is row-invariant in ``dtype`` (the probe of
+    decoding/batch_invariance.py; float32 through oneDNN): batching the step changes no bit
+    of any logit, so greedy output cannot depend on the batch. Where the probe fails,
+    row-exact is off."""
     from decoding.model import load_model
 
-    lm = load_model("smollm2-135m", dtype="bfloat16", progress=False)
+    lm = load_model("smollm2-135m", dtype=dtype, progress=False)
     if not lm.row_exact:
-        pytest.skip("bf16 is not row-exact on this CPU (decoding/batch_invariance.py)")
+        pytest.skip(f"{dtype} is not row-exact on this CPU (decoding/batch_invariance.py)")
     alone, packed = prefilled(lm), prefilled(lm)
     expected = [lm.forward(kv, chunk) for kv, chunk in zip(alone, CHUNKS, strict=True)]
     got = packed_forward(lm, [Chunk(kv, chunk) for kv, chunk in zip(packed, CHUNKS, strict=True)])
