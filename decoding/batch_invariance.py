@@ -1,8 +1,13 @@
-"""Row-exact mode: make a verify forward over k tokens equal k one-token steps, bit for bit.
+"""Row-exact linears and row-exact mode: bits that do not depend on the other rows.
 
-Greedy speculative output equals plain greedy output only if every verify row gets the
-logits the plain path would compute at that position. ``decoding/fast_paths.py`` has the
-two mechanisms (K-chunked linears, per-row attention); this module decides, by
+Two promises rest on it. Batching: a sequence's logits in a packed step (several
+sequences' tokens in one forward, ``decoding/packed.py``) must be the bits its own forward
+gives, or the text would depend on who shares the step; attention is per sequence by the
+same call either way, so row-exact linears suffice (``CausalLM.linears_row_exact``).
+Speculation: greedy speculative output equals plain greedy output only if every verify row
+gets the logits the one-token step at that position gets, which needs per-row attention
+too (row-exact mode, ``CausalLM.row_exact``). ``decoding/fast_paths.py`` has the
+mechanisms (oneDNN or K-chunked linears, per-row attention); this module decides, by
 measurement on the machine at hand, whether they reach bit-exactness:
 
 1. every distinct linear shape of the model is probed: a product over ``PROBE_ROWS`` rows
@@ -19,12 +24,17 @@ measurement on the machine at hand, whether they reach bit-exactness:
    a timed choice made plain greedy output differ between two loads of the same model
    (qwen2.5-coder-1.5b in bf16: one tool-use answer flipped between processes). Two rows
    were also the faster on the AMX machine (oneDNN's one-row bf16 kernels are slow there).
-3. the whole model is probed: ``VERIFY_TOKENS`` one-token steps after a random context
-   against one verify forward over the same tokens, every logit compared bitwise.
+3. a packed forward of three sequences against their forwards alone, bitwise
+   (``packed_matches_alone``): the linears are then row-exact for batching.
+4. for a dtype whose logits tie (bf16), row-exact mode: ``VERIFY_TOKENS`` one-token steps
+   after a random context against one verify forward over the same tokens, every logit
+   compared bitwise. float32 stops at 3: its verify rows differ from steps by ~1e-6, the
+   near-tie rule of ``decoding/numerics.py``, and the canonical attention would slow
+   every step (``enable_row_exact``).
 
-Either probe failing leaves the model as it was (``row_exact`` False): the engine is then
-exact only up to near-ties (``decoding/numerics.py``), and the engine gives each sequence
-its own forwards, since a packed one would round by the batch.
+A probe failing leaves the model as it was: a model whose linears are not row-exact gets
+one forward per sequence in a step (a packed one would round by the batch), and one not in
+row-exact mode is exact only up to near-ties.
 """
 
 from __future__ import annotations
@@ -43,6 +53,9 @@ PROBE_ROWS = (2, 3, 17)  # a product over this many rows against its rows one by
 CHUNK_LIMITS = (4096, 2048, 1024)  # largest K per chunk tried, in order
 PROBE_CONTEXT = 40  # random context tokens before the model-level probe
 VERIFY_TOKENS = 9  # a verify of γ = 8, the policy's usual largest
+# Dtypes whose logits tie often enough that a verify must reproduce one-token steps bit for
+# bit (canonical attention too); measured: 4 of 10 smollm2 parity prompts diverged in bf16.
+TIE_PRONE_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -146,15 +159,45 @@ def verify_matches_steps(lm: CausalLM, seed: int = 0) -> bool:
     return torch.equal(stepped, lm.forward(verified_kv, appended))
 
 
+@torch.inference_mode()
+def packed_matches_alone(lm: CausalLM, seed: int = 0) -> bool:
+    """A step, a verify and a short append of three sequences in one packed forward
+    against each sequence's own forward, every logit compared bitwise."""
+    from decoding.packed import Chunk, packed_forward  # packed imports the model module
+
+    generator = torch.Generator().manual_seed(seed)
+    contexts = [torch.randint(0, lm.vocab_size, (length,), generator=generator).tolist() for length in (40, 7, 23)]
+    appends = [torch.randint(0, lm.vocab_size, (length,), generator=generator).tolist() for length in (1, 9, 3)]
+    alone_kvs, packed_kvs = [lm.new_kv() for _ in contexts], [lm.new_kv() for _ in contexts]
+    for context, alone_kv, packed_kv in zip(contexts, alone_kvs, packed_kvs, strict=True):
+        lm.prefill(alone_kv, context)
+        lm.prefill(packed_kv, context)
+    alone = [lm.forward(kv, tokens) for kv, tokens in zip(alone_kvs, appends, strict=True)]
+    packed = packed_forward(lm, [Chunk(kv, tokens) for kv, tokens in zip(packed_kvs, appends, strict=True)])
+    return all(torch.equal(one, other) for one, other in zip(alone, packed, strict=True))
+
+
 def enable_row_exact(lm: CausalLM) -> bool:
-    """Switch ``lm`` to row-exact mode if the probes show it is bit-exact here."""
+    """Make ``lm``'s linears row-exact if the probes show a packed step is then bit-exact
+    here (``linears_row_exact``); for a dtype whose logits tie (bf16), switch it to
+    row-exact mode too if a verify then reproduces one-token steps. Returns ``row_exact``.
+
+    float32 keeps the fast attention kernels: its verify rows differ from one-token steps
+    by about 1e-6 of a logit, greedy output stayed identical in every run here (the
+    near-tie rule, ``decoding/numerics.py``), and the canonical attention that removes the
+    difference cost smollm2's float32 one-token step 5% at 400 positions and 24% at 1,500.
+    """
     if lm.device.type != "cpu" or not uses_specrag_attention(lm.model):
         return False
     if not make_linears_row_exact(lm.model):
         return False
-    lm.row_exact = True
-    if verify_matches_steps(lm):
-        return True
-    lm.row_exact = False
+    lm.linears_row_exact = packed_matches_alone(lm)
+    if lm.linears_row_exact and lm.dtype not in TIE_PRONE_DTYPES:
+        return False
+    if lm.linears_row_exact:
+        lm.row_exact = True
+        if verify_matches_steps(lm):
+            return True
+    lm.row_exact = lm.linears_row_exact = False
     reset_linears(lm.model)
     return False

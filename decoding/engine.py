@@ -19,7 +19,7 @@ steps and never stalls the others for more than one chunk. Prefill chunks end on
 positions (``model.prompt_chunk_end``) and prompt rows are attended in aligned blocks, so
 how a prompt is cut never changes its bits in row-exact mode. The step's cycles share one
 packed target forward (``decoding/step_driver.py``) where that changes no logit (row-exact
-mode); otherwise each cycle has its own forward. A cycle that raises finishes its own
+linears, ``CausalLM.batch_invariant``); otherwise each cycle has its own forward. A cycle that raises finishes its own
 sequence with an error event; the others go on.
 
 The policy (``decoding/policy.py``) decides each cycle's γ; every forward's wall time is
@@ -104,10 +104,11 @@ class Engine:
         self._ids = itertools.count()
         self._shared_acceptance: dict[str, policies.AcceptanceEstimate] = {}
         # A step over several sequences packs their forwards into one (decoding/step_driver.py)
-        # where that changes no logit: in row-exact mode the packed rows are bit-identical to
-        # the forwards alone (bf16 and float32 on the CPUs measured). Where the probe failed,
-        # a product rounds differently with the row count, and the text must not depend on
-        # which requests share a step, so there they run one by one.
+        # where that changes no logit (``CausalLM.batch_invariant``): with row-exact linears
+        # the packed rows are bit-identical to the forwards alone (bf16 and float32 on the
+        # CPUs measured). Where the probe failed, a product rounds differently with the row
+        # count, and the text must not depend on which requests share a step, so there they
+        # run one by one.
         self.pack = pack
         self._packing = False
         # Tokens one step forwards beyond which no further prefill chunk is admitted (vLLM's
@@ -202,7 +203,7 @@ class Engine:
     # -- one cycle ------------------------------------------------------------------------
 
     def _step_sequences(self, sequences: list[SequenceState]) -> list[GenerationEvent]:
-        pack = self.pack and self.target.row_exact and len(sequences) > 1
+        pack = self.pack and self.target.batch_invariant and len(sequences) > 1
         batch = StepBatch(self.target, pack, self.draft)
         scheduled: list[tuple[SequenceState, StatsMark, bool]] = []
         self._packing = pack  # one forward's time is no single sequence's cost

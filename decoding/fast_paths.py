@@ -303,6 +303,10 @@ def _attend_packed(
         if row_exact and end - start <= ROW_EXACT_MAX_QUERY:
             outputs.append(_attend_rows_canonically(module, rows, key, value, scaling))
             continue
+        if end - start == 1:  # one row sees every key: no mask, the fast kernel
+            gqa = key.shape[1] != rows.shape[1]
+            outputs.append(F.scaled_dot_product_attention(rows, key, value, scale=scaling, enable_gqa=gqa))
+            continue
         hidden = (
             torch.arange(key.shape[2], device=query.device)[None, :]
             > torch.arange(key.shape[2] - (end - start), key.shape[2], device=query.device)[:, None]

@@ -85,6 +85,9 @@ class CausalLM:
         # True once the probes of decoding/batch_invariance.py showed that a verify forward
         # gives the same logits as one-token steps, bit for bit, on this machine.
         self.row_exact = False
+        # True once they showed that every linear gives a row the same bits whatever the
+        # other rows: a packed step then gives each sequence its own forward's logits.
+        self.linears_row_exact = False
         if fast_paths and row_exact:
             from decoding.batch_invariance import enable_row_exact
 
@@ -101,6 +104,12 @@ class CausalLM:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a sequence's logits are the same bits beside others in a packed forward
+        as alone: row-exact linears, and attention per sequence by the same call."""
+        return self.row_exact or (self.linears_row_exact and self.packs_prompts)
 
     @property
     def packs_prompts(self) -> bool:
@@ -143,6 +152,10 @@ class CausalLM:
         """
         if not token_ids:
             raise ValueError("forward needs at least one token")
+        if self.packs_prompts:  # the call a packed step makes for it, so alone = beside others
+            from decoding.packed import Chunk, packed_forward
+
+            return packed_forward(self, [Chunk(kv, token_ids, last_only=last_only)])[0]
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
         exact = {ROW_EXACT_KWARG: True} if self.row_exact else {}
         output = self.model(

@@ -100,13 +100,13 @@ class StepBatch:
         return [self._results[index] for index in range(len(self._cycles))]
 
     def _round(self, draft: bool) -> None:
-        """One forward over the pending needs of one model (packed where that model is
-        row-exact, else one by one); each cycle is sent its rows and either finishes or,
+        """One forward over the pending needs of one model (packed where that changes no
+        logit, ``CausalLM.batch_invariant``, else one by one); each cycle is sent its rows and either finishes or,
         while drafting, names its next need."""
         model = self._model(draft)
         round_needs = [(index, need) for index, need in self._pending.items() if need.draft == draft]
         answers: list[torch.Tensor | Exception] | None = None
-        if model.row_exact:
+        if model.batch_invariant:
             chunks = [Chunk(need.kv, need.token_ids, need.prompt, need.last_only) for _, need in round_needs]
             try:
                 start = time.perf_counter()

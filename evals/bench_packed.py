@@ -9,8 +9,9 @@ verify), median milliseconds of the sequential forwards and of the packed one, o
 sequence has its own prompt of ``--context`` tokens; the caches are cropped back after
 each measurement. The last column is the speed-up of packing. With ``--engine``, also the
 aggregate tok/s of ``Engine.step()`` over 1, 4 and 8 greedy requests (64-token prompts,
-32 new tokens, speculation off) with ``pack`` on and off; the engine packs only in
-row-exact mode, so in float32 both columns are the same path. With ``--paged``, the cost
+32 new tokens, speculation off) with ``pack`` on and off; the engine packs only where
+the linears are row-exact (``CausalLM.batch_invariant``); elsewhere both columns are the
+same path. With ``--paged``, the cost
 of paged KV (``decoding/kv_pool.py``) on the batch-1 path: a one-token step over a
 growable cache against the same step over pool blocks, consecutive (read as a slice) and
 scattered (read by a gather), at several context lengths. Run it on an idle machine.
@@ -144,13 +145,14 @@ def main(argv: list[str] | None = None) -> int:
                 )
         return 0
     print(f"torch threads {torch.get_num_threads()}, context {args.context}, {args.repeats} repeats (medians)")
-    print("| model | dtype | row-exact | sequences | tokens each | B forwards (ms) | one packed (ms) | speed-up |")
+    print("| model | dtype | exact | sequences | tokens each | B forwards (ms) | one packed (ms) | speed-up |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for dtype in args.dtype or ["auto"]:
         model = load_model(args.model, dtype=dtype, progress=False)
         for row in measure(model, args.context, args.repeats):
             print(
-                f"| {args.model} | {str(model.dtype).removeprefix('torch.')} | {model.row_exact} | {row['batch']} "
+                f"| {args.model} | {str(model.dtype).removeprefix('torch.')} | {model.batch_invariant} "
+                f"| {row['batch']} "
                 f"| {row['tokens']} | {row['sequential_ms']:.1f} | {row['packed_ms']:.1f} "
                 f"| {row['sequential_ms'] / row['packed_ms']:.2f}x |",
                 flush=True,

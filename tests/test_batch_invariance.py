@@ -137,6 +137,28 @@ def test_a_float32_layer_is_row_exact_through_onednn_and_mkl_alone_is_not() -> N
     assert not layer.onednn and layer.min_rows == 1
 
 
+def test_the_packed_probe_catches_sequences_that_see_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    lm = tiny_causal_lm(vocab_size=64, seed=3, hidden_size=128, dtype=torch.float32)
+    if not lm.linears_row_exact:
+        pytest.skip("float32 linears are not row-exact on this CPU: nothing is packed")
+    assert not lm.row_exact and lm.batch_invariant  # float32: packed exactly, attention kept fast
+    assert batch_invariance.packed_matches_alone(lm)
+    original = fast_paths._attend_packed
+
+    def one_key_too_few_beside_others(module, query, packed, scaling, row_exact):  # type: ignore[no-untyped-def]
+        if len(packed.chunks) > 1:
+            packed.layer_kv[module.layer_idx] = [
+                (k[:, :, :-1], v[:, :, :-1]) for k, v in packed.layer_kv[module.layer_idx]
+            ]
+        return original(module, query, packed, scaling, row_exact)
+
+    monkeypatch.setattr(fast_paths, "_attend_packed", one_key_too_few_beside_others)
+    assert not batch_invariance.packed_matches_alone(lm)
+    lm.linears_row_exact = False
+    assert not enable_row_exact(lm) and not lm.batch_invariant  # the failed probe leaves it unpacked
+    assert all(not layer.onednn and layer.min_rows == 1 for layer in _linears(lm.model))
+
+
 def test_native_bf16_cpus_get_a_row_exact_smollm2() -> None:
     if not dtype_choice.cpu_has_native_bf16():
         pytest.skip("this CPU has no native bf16: dtype auto is float32 here")
