@@ -46,7 +46,7 @@ from decoding import policy as policies
 from decoding.cycles import grammar_accept, next_mask, plain_step, row_processor, speculative_step
 from decoding.drafters import Draft, Drafter, ModelDrafter
 from decoding.drafters.model_drafter import SOURCE as MODEL_SOURCE
-from decoding.forward_timer import ForwardTimer
+from decoding.forward_timer import ForwardTimer, prompt_costs
 from decoding.grammar import GrammarState
 from decoding.kv_manager import KVManager
 from decoding.model import PREFILL_CHUNK_TOKENS, CausalLM, prompt_chunk_end
@@ -66,6 +66,8 @@ from decoding.step_driver import Cycle, CycleResult, ForwardNeed, StepBatch
 
 __all__ = ["Engine", "GenerationEvent", "GenerationRequest"]
 
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2 * PREFILL_CHUNK_TOKENS  # until the cost model is measured
+
 
 class Engine:
     def __init__(
@@ -81,7 +83,7 @@ class Engine:
         prefix_cache: PrefixCache | bool = False,
         debug: bool | None = None,
         pack: bool = True,
-        max_num_batched_tokens: int = 2 * PREFILL_CHUNK_TOKENS,
+        max_num_batched_tokens: int | None = None,
         kv_cache_bytes: int | None = None,
     ) -> None:
         if draft is not None and draft.vocab_size != target.vocab_size:
@@ -113,7 +115,10 @@ class Engine:
         self._packing = False
         # Tokens one step forwards beyond which no further prefill chunk is admitted (vLLM's
         # max_num_batched_tokens); decode and verify tokens are scheduled first and never cut.
-        self.max_num_batched_tokens = max_num_batched_tokens
+        # Unless given, the cost model's knee once it is measured (``_budget_from``).
+        self._budget_given = max_num_batched_tokens is not None
+        self.max_num_batched_tokens = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        self._budget_from(cost_model)
         self._load: policies.StepLoad | None = None  # while a packed step's cycles decide
 
     # -- public API ---------------------------------------------------------------------
@@ -195,10 +200,19 @@ class Engine:
             self.cancel(seq_id)
 
     def calibrate(self) -> CostModel:
-        """Measure the cost model: target forwards over 1..16 tokens, draft token costs."""
+        """Measure the cost model: target forwards over 1..64 tokens, prompt chunks of
+        128..512 (the step budget), draft token costs."""
         draft_timer = ForwardTimer(self.draft) if self.draft is not None else None
-        self.cost_model = CostModel.measure(ForwardTimer(self.target), draft_timer)
+        prompt = prompt_costs(self.target)
+        self.cost_model = CostModel.measure(ForwardTimer(self.target), draft_timer, prompt_seconds=prompt)
+        self._budget_from(self.cost_model)
         return self.cost_model
+
+    def _budget_from(self, cost_model: CostModel | None) -> None:
+        """Unless one was given, the budget the cost model suggests (``CostModel.budget_tokens``)."""
+        budget = cost_model.budget_tokens(PREFILL_CHUNK_TOKENS) if cost_model is not None else None
+        if budget is not None and not self._budget_given:
+            self.max_num_batched_tokens = budget
 
     # -- one cycle ------------------------------------------------------------------------
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 
 from decoding.kv import SequenceKV
 from decoding.model import CausalLM
+from decoding.policy import BUDGET_TOKEN_COUNTS
 
 _CALIBRATION_CONTEXT = 256  # tokens of synthetic context the cost model is measured at
 
@@ -18,15 +20,42 @@ class ForwardTimer:
     def __init__(self, model: CausalLM) -> None:
         self.model = model
         generator = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, model.vocab_size, (_CALIBRATION_CONTEXT + 64,), generator=generator).tolist()
+        extra = max(64, *BUDGET_TOKEN_COUNTS)
+        self.ids = torch.randint(0, model.vocab_size, (_CALIBRATION_CONTEXT + extra,), generator=generator).tolist()
         self.kv: SequenceKV | None = None
 
     def __call__(self, tokens: int) -> float:
+        """A forward over ``tokens`` new tokens with every row's logits (a verify)."""
+        return self._timed(tokens, prompt=False)
+
+    def prompt(self, tokens: int) -> float:
+        """A prompt chunk of ``tokens``: prompt attention, the last row's logits only."""
+        return self._timed(tokens, prompt=True)
+
+    def _timed(self, tokens: int, prompt: bool) -> float:
         if self.kv is None:
             self.kv = self.model.new_kv()
             self.model.prefill(self.kv, self.ids[:_CALIBRATION_CONTEXT])
+        new_tokens = self.ids[_CALIBRATION_CONTEXT : _CALIBRATION_CONTEXT + tokens]
         start = time.perf_counter()
-        self.model.forward(self.kv, self.ids[_CALIBRATION_CONTEXT : _CALIBRATION_CONTEXT + tokens])
+        if prompt:
+            self.model.forward_prompt(self.kv, new_tokens)
+        else:
+            self.model.forward(self.kv, new_tokens)
         seconds = time.perf_counter() - start
         self.kv.crop(_CALIBRATION_CONTEXT)
         return seconds
+
+
+_PROMPT_COSTS: weakref.WeakKeyDictionary[CausalLM, dict[int, float]] = weakref.WeakKeyDictionary()
+
+
+def prompt_costs(model: CausalLM) -> dict[int, float]:
+    """Seconds of one prompt chunk of each of ``BUDGET_TOKEN_COUNTS`` tokens, timed once per
+    model and process (the step budget's curve is the model's and the machine's, not an
+    engine's; each engine re-measures only its short forwards)."""
+    if model not in _PROMPT_COSTS:
+        timer = ForwardTimer(model)
+        timer.prompt(BUDGET_TOKEN_COUNTS[0])  # warm-up: first calls allocate
+        _PROMPT_COSTS[model] = {count: timer.prompt(count) for count in BUDGET_TOKEN_COUNTS}
+    return dict(_PROMPT_COSTS[model])

@@ -49,6 +49,12 @@ GRAMMAR_REJECTED = "grammar_rejected"  # the grammar rejected the first candidat
 # 64: a packed step's forward carries several sequences' tokens, and a verify's marginal
 # cost there is read from this curve beyond 16 (StepLoad).
 FORWARD_TOKEN_COUNTS = (1, 2, 4, 8, 16, 64)
+# Prompt-chunk forwards (last row's logits only) timed for the step's token budget.
+BUDGET_TOKEN_COUNTS = (128, 256, 512)
+# The budget is the fewest tokens per step whose forward reaches this share of the best
+# tokens/second measured: past it, a bigger step buys under 10% more throughput and makes
+# every running sequence wait its whole length for the next token.
+BUDGET_THROUGHPUT_FRACTION = 0.9
 SOURCE_KINDS = frozenset({"output", "prompt", "model", "grammar"})  # every other source is a passage
 
 
@@ -66,6 +72,7 @@ class CostModel:
         draft_token_seconds: float = 0.0,
         draft_prefill_token_seconds: float = 0.0,
         decay: float = 0.2,
+        prompt_seconds: dict[int, float] | None = None,
     ) -> None:
         if 1 not in forward_seconds:
             raise ValueError("the cost model needs the cost of a one-token forward")
@@ -73,6 +80,7 @@ class CostModel:
         self.draft_token_seconds = draft_token_seconds
         self.draft_prefill_token_seconds = draft_prefill_token_seconds
         self.decay = decay
+        self.prompt_seconds = dict(prompt_seconds or {})  # prompt-chunk forwards over T tokens
 
     @classmethod
     def measure(
@@ -81,8 +89,11 @@ class CostModel:
         draft_forward: Callable[[int], float] | None = None,
         counts: tuple[int, ...] = FORWARD_TOKEN_COUNTS,
         repeats: int = 2,
+        prompt_seconds: dict[int, float] | None = None,
     ) -> CostModel:
-        """``forward(k)`` / ``draft_forward(k)`` run one forward over k tokens and return seconds."""
+        """``forward(k)`` / ``draft_forward(k)`` run one forward over k tokens and return
+        seconds; ``prompt_seconds`` are prompt chunks' costs measured elsewhere
+        (``forward_timer.prompt_costs``)."""
         forward(1)  # warm-up: first calls allocate
         seconds = {count: min(forward(count) for _ in range(repeats)) for count in counts}
         draft_token = draft_prefill = 0.0
@@ -90,7 +101,17 @@ class CostModel:
             draft_forward(1)
             draft_token = min(draft_forward(1) for _ in range(repeats))
             draft_prefill = min(draft_forward(64) for _ in range(repeats)) / 64
-        return cls(seconds, draft_token, draft_prefill)
+        return cls(seconds, draft_token, draft_prefill, prompt_seconds=prompt_seconds)
+
+    def budget_tokens(self, chunk_tokens: int) -> int | None:
+        """The step token budget this curve suggests, if prompt chunks were timed: the knee
+        (``step_budget``, at least one chunk) for decode and verify tokens, plus the chunk
+        the oldest waiting prompt always gets. Measured on the AVX512-BF16 EPYC the knee was
+        256 tokens for smollm2 and the 0.5B (a bigger forward bought under 10% more tok/s),
+        which gives the 512 the serving benchmarks ran with."""
+        if not self.prompt_seconds:
+            return None
+        return max(step_budget(self.prompt_seconds), chunk_tokens) + chunk_tokens
 
     def forward_seconds(self, tokens: int) -> float:
         counts = sorted(self._forward)
@@ -120,6 +141,17 @@ class CostModel:
 
     def observe_draft_token(self, seconds: float) -> None:
         self.draft_token_seconds = (1 - self.decay) * self.draft_token_seconds + self.decay * seconds
+
+
+def step_budget(seconds: dict[int, float], fraction: float = BUDGET_THROUGHPUT_FRACTION) -> int:
+    """The fewest tokens T among those timed whose forward's throughput T / C(T) reaches
+    ``fraction`` of the best: the knee where a bigger step stops paying (vLLM's
+    ``max_num_batched_tokens``, chosen from this machine's curve instead of a constant)."""
+    rates = {tokens: tokens / cost for tokens, cost in seconds.items() if cost > 0}
+    if not rates:
+        raise ValueError("a step budget needs at least one timed forward")
+    best = max(rates.values())
+    return min(tokens for tokens, rate in rates.items() if rate >= fraction * best)
 
 
 def timed(function: Callable[[], object]) -> float:

@@ -138,6 +138,13 @@ MUTATIONS = (
         ("tests/test_grammar.py",),
     ),
     Mutation(
+        "step_budget_past_the_knee",
+        "decoding/policy.py",
+        "return min(tokens for tokens, rate in rates.items() if rate >= fraction * best)",
+        "return max(tokens for tokens, rate in rates.items() if rate >= fraction * best)",
+        ("tests/test_scheduler.py::test_the_step_budget_is_the_knee_of_the_measured_curve",),
+    ),
+    Mutation(
         "step_mask_rows_given_to_the_wrong_sequence",
         "decoding/step_driver.py",
         "step_bitmask = torch.cat([needs[index].bitmask for index in masked])",

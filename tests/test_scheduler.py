@@ -258,3 +258,32 @@ def test_a_packed_forward_feeds_the_cost_model_at_the_steps_token_count() -> Non
     assert 15 in cost._forward and cost.forward_seconds(15) < 1.0  # a real forward's seconds, not 10
     engine.step()  # three decode tokens
     assert cost.forward_seconds(3) < 1.0
+
+
+def test_the_step_budget_is_the_knee_of_the_measured_curve() -> None:
+    """The fewest tokens whose forward reaches 90% of the best tokens/second: a bigger
+    step past the knee buys little throughput and delays every running sequence."""
+    from decoding.policy import step_budget
+
+    assert step_budget({128: 0.2, 256: 0.25, 512: 0.5}) == 256  # 640, 1024, 1024 tok/s
+    assert step_budget({128: 0.1, 256: 0.3, 512: 0.6}) == 128  # already at its best
+    assert step_budget({128: 0.4, 256: 0.5, 512: 0.55}) == 512  # still climbing
+    assert step_budget({128: 0.2, 256: 0.3, 512: 0.5}, fraction=0.8) == 256  # 640, 853, 1024
+    with pytest.raises(ValueError):
+        step_budget({})
+
+
+def test_the_engine_takes_its_budget_from_the_cost_model_unless_given() -> None:
+    from decoding.policy import BUDGET_TOKEN_COUNTS, CostModel, step_budget
+
+    # decode and verify tokens up to the knee, plus the chunk the oldest waiting prompt gets
+    knee_at_512 = CostModel({1: 0.01}, prompt_seconds={128: 0.4, 256: 0.5, 512: 0.55})
+    assert Engine(tiny(True), cost_model=knee_at_512).max_num_batched_tokens == 512 + PREFILL_CHUNK_TOKENS
+    flat = CostModel({1: 0.01}, prompt_seconds={128: 0.1, 256: 0.2, 512: 0.4})  # knee 128: one chunk at least
+    assert Engine(tiny(True), cost_model=flat).max_num_batched_tokens == 2 * PREFILL_CHUNK_TOKENS
+    assert Engine(tiny(True), cost_model=knee_at_512, max_num_batched_tokens=300).max_num_batched_tokens == 300
+    engine = Engine(tiny(True))
+    engine.calibrate()  # times prompt chunks of every budget count on the real (tiny) model
+    assert sorted(engine.cost_model.prompt_seconds) == sorted(BUDGET_TOKEN_COUNTS)
+    knee = step_budget(engine.cost_model.prompt_seconds)
+    assert engine.max_num_batched_tokens == max(knee, PREFILL_CHUNK_TOKENS) + PREFILL_CHUNK_TOKENS
