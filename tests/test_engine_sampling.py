@@ -1,18 +1,23 @@
 """End to end through the engine: speculative sampling with a model drafter samples the
-target model's own distribution (tiny models, so the exact distribution is computable)."""
+target model's own distribution (tiny models, so the exact distribution is computable),
+on batched steps: ten requests share every packed target and draft forward."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
+from unittest import mock
 
 import pytest
 import scipy.stats
 import torch
 import xgrammar as xgr
 
-from decoding import Engine, GenerationRequest, SamplingParams, acceptance
+from decoding import Engine, GenerationRequest, SamplingParams, acceptance, step_driver
 from decoding.grammar import Grammar, GrammarState
 from decoding.grammar_compile import GrammarCompiler
+from decoding.model import CausalLM
 from decoding.sampling import probs_from_logits
 from tests.conftest import tiny_causal_lm
 
@@ -22,6 +27,7 @@ DRAFT = tiny_causal_lm(VOCAB, seed=22, init_scale=0.4, hidden_size=16, layers=1)
 PROMPT = [1, 4, 2]
 PARAMS = SamplingParams(temperature=1.0, top_k=5)
 RUNS = 2500
+BATCH = 10  # requests sharing each step
 
 
 def exact_second_and_third_token() -> torch.Tensor:
@@ -39,28 +45,58 @@ def exact_second_and_third_token() -> torch.Tensor:
 
 
 def sampled_second_and_third_token(grammar: Grammar | None = None) -> torch.Tensor:
+    """RUNS seeded requests, BATCH at a time in one engine, so they share packed steps
+    (target and draft forwards alike): the distribution is checked on batched steps."""
     engine = Engine(TARGET, DRAFT, default_drafter="model")
     counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
-    speculated = rejections = 0
-    for seed in range(RUNS):
-        request = GenerationRequest(
-            PROMPT,
-            max_tokens=4,
-            speculation="on",
-            num_speculative_tokens=2,
-            stop_token_ids=[],
-            sampling=SamplingParams(temperature=1.0, top_k=5, seed=seed),
-            grammar=grammar,
-        )
-        events = list(engine.generate(request))
-        output = [token for event in events for token in event.token_ids]
-        counts[output[1], output[2]] += 1
-        stats = events[-1].stats
-        assert stats is not None
-        speculated += stats.drafted_tokens > 0
-        rejections += stats.wasted_verify_tokens > 0
+    speculated = rejections = widest = 0
+    real = step_driver.packed_forward
+
+    def counted(lm: object, chunks: list) -> list:
+        nonlocal widest
+        widest = max(widest, len(chunks))
+        return real(lm, chunks)
+
+    with packing(TARGET, DRAFT), mock.patch.object(step_driver, "packed_forward", counted):
+        for first in range(0, RUNS, BATCH):
+            outputs: dict[int, list[int]] = {}
+            for seed in range(first, min(first + BATCH, RUNS)):
+                request = GenerationRequest(
+                    PROMPT,
+                    max_tokens=4,
+                    speculation="on",
+                    num_speculative_tokens=2,
+                    stop_token_ids=[],
+                    sampling=SamplingParams(temperature=1.0, top_k=5, seed=seed),
+                    grammar=grammar,
+                )
+                outputs[engine.add(request)] = []
+            while engine.has_unfinished():
+                for event in engine.step():
+                    outputs[event.seq_id] += event.token_ids
+                    if event.finished:
+                        assert event.stats is not None and event.error is None
+                        speculated += event.stats.drafted_tokens > 0
+                        rejections += event.stats.wasted_verify_tokens > 0
+            for output in outputs.values():
+                counts[output[1], output[2]] += 1
+    assert widest == BATCH  # every sequence of a batch in one forward
     assert speculated > RUNS // 2 and rejections > RUNS // 10  # drafts verified, residual path taken
     return counts
+
+
+@contextlib.contextmanager
+def packing(*models: CausalLM) -> Iterator[None]:
+    """Pack these float64 models' steps (their rows agree to ~1e-15 however many share a
+    forward, far below anything a distribution test can see)."""
+    before = [model.row_exact for model in models]
+    for model in models:
+        model.row_exact = True
+    try:
+        yield
+    finally:
+        for model, was in zip(models, before, strict=True):
+            model.row_exact = was
 
 
 def pvalue(counts: torch.Tensor, exact: torch.Tensor) -> float:
