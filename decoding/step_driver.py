@@ -167,13 +167,25 @@ def prepared(needs: list[ForwardNeed], answers: list[torch.Tensor | Exception]) 
         for index, (need, answer) in enumerate(zip(needs, answers, strict=True))
         if need.bitmask is not None and not isinstance(answer, Exception)
     ]
-    if masked:
-        rows = [answers[index] for index in masked]
+    if not masked:
+        return answers
+    rows = [answers[index] for index in masked]
+    try:
         step_bitmask = torch.cat([needs[index].bitmask for index in masked])  # type: ignore[misc]
         all_rows = mask_logits(torch.cat(rows), step_bitmask)  # type: ignore[arg-type]
         for index, part in zip(masked, all_rows.split([len(row) for row in rows]), strict=True):
             answers[index] = part
+    except Exception:  # some need's mask does not fit its rows: find whose, each alone
+        for index in masked:
+            answers[index] = _masked_or_error(answers[index], needs[index].bitmask)  # type: ignore[arg-type]
     return answers
+
+
+def _masked_or_error(rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor | Exception:
+    try:
+        return mask_logits(rows, bitmask)
+    except Exception as error:
+        return error
 
 
 def _forward_or_error(model: CausalLM, need: ForwardNeed) -> torch.Tensor | Exception:

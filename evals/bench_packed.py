@@ -14,7 +14,9 @@ the linears are row-exact (``CausalLM.batch_invariant``); elsewhere both columns
 same path. With ``--paged``, the cost
 of paged KV (``decoding/kv_pool.py``) on the batch-1 path: a one-token step over a
 growable cache against the same step over pool blocks, consecutive (read as a slice) and
-scattered (read by a gather), at several context lengths. Run it on an idle machine.
+scattered (read by a gather), at several context lengths. With ``--draft MODEL``, the
+engine's tok/s when that model drafts for ``--model`` (speculation on) for 1, 4 and 8
+requests, packed (the drafters in lockstep) and one by one. Run it on an idle machine.
 """
 
 from __future__ import annotations
@@ -95,6 +97,42 @@ def engine_rates(model: CausalLM, batch: int, max_tokens: int, repeats: int) -> 
     return {pack: statistics.median(values) for pack, values in rates.items()}
 
 
+DRAFT_MIX = ("rag_quote", "rag_explain", "code_edit", "chat_open")
+
+
+def draft_rates(
+    target: CausalLM, draft: CausalLM, batch: int, max_tokens: int, repeats: int
+) -> dict[bool, tuple[float, float]]:
+    """Aggregate tok/s and acceptance of ``Engine.step()`` over ``batch`` greedy requests
+    (the workloads of ``DRAFT_MIX`` in turn) that ``draft`` drafts for (speculation on, γ 4),
+    packed (one packed draft forward per draft position for all, then one target forward)
+    and one by one, alternating; medians over ``repeats``."""
+    from decoding.engine import Engine
+    from decoding.request import GenerationRequest
+    from evals import workloads
+
+    limit = int(getattr(target.config, "max_position_embeddings", 32768))
+    encoded = [workloads.load(name).encode(target.tokenizer, limit) for name in DRAFT_MIX]
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    acceptance: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(repeats):
+        for pack in (False, True):
+            engine = Engine(target, draft, default_drafter="model", pack=pack)
+            for index in range(batch):
+                prompt = encoded[index % len(encoded)].prompt
+                engine.add(GenerationRequest(prompt, max_tokens=max_tokens, speculation="on", num_speculative_tokens=4))
+            start, tokens, drafted, accepted = time.perf_counter(), 0, 0, 0
+            while engine.has_unfinished():
+                for event in engine.step():
+                    tokens += len(event.token_ids)
+                    if event.stats is not None:
+                        drafted += event.stats.drafted_tokens
+                        accepted += event.stats.accepted_tokens
+            rates[pack].append(tokens / (time.perf_counter() - start))
+            acceptance[pack].append(accepted / max(drafted, 1))
+    return {pack: (statistics.median(rates[pack]), statistics.median(acceptance[pack])) for pack in rates}
+
+
 def paged_rows(model: CausalLM, contexts: list[int], repeats: int) -> list[dict[str, float]]:
     """Median ms of a one-token step at each context: growable, paged consecutive, paged scattered."""
     generator = torch.Generator().manual_seed(0)
@@ -130,7 +168,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--engine", action="store_true", help="also: Engine.step() tok/s, packed and not")
     parser.add_argument("--paged", action="store_true", help="only: a step over paged KV against a growable cache")
+    parser.add_argument("--draft", help="only: Engine.step() tok/s with this model drafting, packed and not")
     args = parser.parse_args(argv)
+    if args.draft:
+        dtype = (args.dtype or ["auto"])[0]
+        target = load_model(args.model, dtype=dtype, progress=False)
+        draft = load_model(args.draft, dtype=dtype, progress=False)
+        print("| target | draft | dtype | requests | tok/s one by one | tok/s packed | speed-up | acceptance |")
+        print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        for batch in (1, 4, 8):
+            rates = draft_rates(target, draft, batch, 32, args.repeats)
+            (alone, accepted), (packed, _) = rates[False], rates[True]
+            print(
+                f"| {args.model} | {args.draft} | {str(target.dtype).removeprefix('torch.')} | {batch} "
+                f"| {alone:.1f} | {packed:.1f} | {packed / alone:.2f}x | {accepted:.2f} |",
+                flush=True,
+            )
+        return 0
     if args.paged:
         print("| model | dtype | context | growable (ms) | paged, consecutive (ms) | paged, scattered (ms) |")
         print("| --- | --- | ---: | ---: | ---: | ---: |")

@@ -287,3 +287,27 @@ def test_the_engine_takes_its_budget_from_the_cost_model_unless_given() -> None:
     assert sorted(engine.cost_model.prompt_seconds) == sorted(BUDGET_TOKEN_COUNTS)
     knee = step_budget(engine.cost_model.prompt_seconds)
     assert engine.max_num_batched_tokens == max(knee, PREFILL_CHUNK_TOKENS) + PREFILL_CHUNK_TOKENS
+
+
+def test_the_steps_one_mask_serves_each_row_and_a_misfit_fails_alone() -> None:
+    """One bitmask over every constrained row of a step; a need whose mask does not fit
+    its rows gets an error (its sequence fails), the others their masked rows."""
+    from decoding.grammar import pack_allowed
+    from decoding.step_driver import ForwardNeed, prepared
+
+    vocab = 40
+    allowed = torch.zeros(3, vocab, dtype=torch.bool)
+    allowed[0, [1, 2]] = allowed[1, [5]] = allowed[2, [39]] = True
+    bitmask = pack_allowed(allowed)
+    verify = ForwardNeed(None, [1, 2], bitmask=bitmask[:2])  # type: ignore[arg-type]
+    plain = ForwardNeed(None, [3], last_only=True, bitmask=bitmask[2:])  # type: ignore[arg-type]
+    free = ForwardNeed(None, [4], prepare=lambda rows: rows * 2)  # type: ignore[arg-type]
+    logits = [torch.randn(2, vocab), torch.randn(1, vocab), torch.ones(1, vocab)]
+    answers = prepared([verify, plain, free], logits)
+    assert torch.isfinite(answers[0]).tolist() == allowed[:2].tolist()
+    assert torch.isfinite(answers[1]).tolist() == allowed[2:].tolist()
+    assert torch.equal(answers[2], torch.full((1, vocab), 2.0))
+    misfit = ForwardNeed(None, [3], last_only=True, bitmask=bitmask)  # type: ignore[arg-type]  # 3 rows for 1
+    answers = prepared([verify, misfit], logits[:2])
+    assert isinstance(answers[1], Exception)
+    assert torch.isfinite(answers[0]).tolist() == allowed[:2].tolist()
