@@ -191,10 +191,10 @@ def enable_row_exact(lm: CausalLM) -> bool:
         return False
     if not make_linears_row_exact(lm.model):
         return False
-    lm.linears_row_exact = packed_matches_alone(lm)
-    if lm.linears_row_exact and lm.dtype not in TIE_PRONE_DTYPES:
-        return False
-    if lm.linears_row_exact:
+    if packed_matches_alone(lm):
+        lm.linears_row_exact = True
+        if lm.dtype not in TIE_PRONE_DTYPES:
+            return False
         lm.row_exact = True
         if verify_matches_steps(lm):
             return True

@@ -19,8 +19,8 @@ steps and never stalls the others for more than one chunk. Prefill chunks end on
 positions (``model.prompt_chunk_end``) and prompt rows are attended in aligned blocks, so
 how a prompt is cut never changes its bits in row-exact mode. The step's cycles share one
 packed target forward (``decoding/step_driver.py``) where that changes no logit (row-exact
-linears, ``CausalLM.batch_invariant``); otherwise each cycle has its own forward. A cycle that raises finishes its own
-sequence with an error event; the others go on.
+linears, ``CausalLM.batch_invariant``); otherwise each cycle has its own forward. A cycle
+that raises finishes its own sequence with an error event; the others go on.
 
 The policy (``decoding/policy.py``) decides each cycle's γ; every forward's wall time is
 fed back into its cost model, around the maths, never inside it.
@@ -117,7 +117,9 @@ class Engine:
         # max_num_batched_tokens); decode and verify tokens are scheduled first and never cut.
         # Unless given, the cost model's knee once it is measured (``_budget_from``).
         self._budget_given = max_num_batched_tokens is not None
-        self.max_num_batched_tokens = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        self.max_num_batched_tokens = (
+            DEFAULT_MAX_NUM_BATCHED_TOKENS if max_num_batched_tokens is None else max_num_batched_tokens
+        )
         self._budget_from(cost_model)
         self._load: policies.StepLoad | None = None  # while a packed step's cycles decide
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from decoding import dtype_choice, packs
-from decoding.fast_paths import ROW_EXACT_KWARG, install_fast_paths, uses_specrag_attention
+from decoding.fast_paths import install_fast_paths, uses_specrag_attention
 from decoding.kv import SequenceKV
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ class CausalLM:
     def batch_invariant(self) -> bool:
         """Whether a sequence's logits are the same bits beside others in a packed forward
         as alone: row-exact linears, and attention per sequence by the same call."""
-        return self.row_exact or (self.linears_row_exact and self.packs_prompts)
+        return self.row_exact or self.linears_row_exact
 
     @property
     def packs_prompts(self) -> bool:
@@ -156,11 +156,8 @@ class CausalLM:
             from decoding.packed import Chunk, packed_forward
 
             return packed_forward(self, [Chunk(kv, token_ids, last_only=last_only)])[0]
-        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
-        exact = {ROW_EXACT_KWARG: True} if self.row_exact else {}
-        output = self.model(
-            input_ids=ids, cache=kv.cache, use_cache=True, logits_to_keep=1 if last_only else 0, **exact
-        )
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # stock attention
+        output = self.model(input_ids=ids, cache=kv.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
         kv.record(token_ids)
         return output.logits[0].float()
 
