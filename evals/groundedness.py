@@ -112,10 +112,13 @@ class GroundednessScorer:
     ``settings.semantic``. ``nli``: anything with ``entailment(premises, hypothesis) ->
     probabilities`` (evals.nli.NliJudge); it then decides the in-between sentences."""
 
-    def __init__(self, settings: ScorerSettings | None = None, embedder: Any = None, nli: Any = None) -> None:
+    def __init__(
+        self, settings: ScorerSettings | None = None, embedder: Any = None, nli: Any = None, judge: Any = None
+    ) -> None:
         self.settings = settings or ScorerSettings()
         self._embedder = embedder
         self.nli = nli
+        self.support_judge = judge
         self._windows: dict[str, tuple[list[str], np.ndarray]] = {}
 
     @property
@@ -126,7 +129,7 @@ class GroundednessScorer:
             self._embedder = Embedder()
         return self._embedder
 
-    def score(self, answer: str, passages: Sequence[str]) -> GroundednessResult:
+    def score(self, answer: str, passages: Sequence[str], question: str | None = None) -> GroundednessResult:
         """Per-sentence support of ``answer`` by ``passages`` (any of them may support any sentence)."""
         return self._score_prepared(answer, [_Passage.of(text) for text in passages])
 

@@ -1,0 +1,86 @@
+"""The target model as a local judge: do the shown passages support this sentence?
+
+The groundedness scorer's string and embedding rules catch what they can see (a number or a
+name in no passage, a dropped negation), but a claim that reuses the passages' words with a
+changed meaning (a flipped comparison, a fact moved to another document, a restated
+question) passes them. For those the model that wrote the answer is asked a yes/no
+question, and its next-token probabilities are read as P(yes), as the answerability probe
+reads P(no): one forward, no generation, no download.
+
+The prompt puts the passages first and the question and sentence last, so the sentences of
+one answer share every token up to the question: with the engine's prefix cache, judging a
+second sentence costs a forward over that sentence and the question, not the passages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from agent.answerability import AnswerTokens, NextTokenLogits
+from agent.prompt import encode_messages
+from decoding import GenerationEvent, GenerationRequest
+
+JUDGE_SYSTEM = "You are a careful fact checker. You compare a statement with passages and reply yes or no."
+JUDGE_ASK = (
+    "Do the passages state everything the statement says, about the same subject? "
+    "A statement that only repeats the question, or answers it wrongly, is not supported. "
+    "Answer yes or no."
+)
+
+
+def judge_messages(passages: Sequence[str], question: str | None, sentence: str) -> list[dict[str, str]]:
+    """Passages first (shared between the sentences of one answer), then the claim and the ask."""
+    shown = "\n\n".join(f"[P{index}] {text.strip()}" for index, text in enumerate(passages, start=1))
+    asked = f"Question: {question.strip()}\n" if question else ""
+    user = f"Passages:\n{shown}\n\n{asked}Statement: {sentence.strip()}\n\n{JUDGE_ASK}"
+    return [{"role": "system", "content": JUDGE_SYSTEM}, {"role": "user", "content": user}]
+
+
+def p_yes(logits: torch.Tensor, tokens: AnswerTokens) -> float:
+    """P(yes) / (P(yes) + P(no)) of the next token: renormalised to the two replies."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    log_yes = torch.logsumexp(log_probs[list(tokens.yes)], dim=0)
+    log_no = torch.logsumexp(log_probs[list(tokens.no)], dim=0)
+    return float(torch.sigmoid(log_yes - log_no))
+
+
+class SupportJudge:
+    """``support(passages, question, sentence) -> P(supported)`` from one forward of the model.
+
+    ``generate``: the engine's (or the agent's) generate, ideally over a prefix cache.
+    """
+
+    def __init__(
+        self, tokenizer: Any, generate: Callable[[GenerationRequest], Iterator[GenerationEvent]], name: str = ""
+    ) -> None:
+        self.name = name
+        self.tokenizer = tokenizer
+        self._generate = generate
+        self._tokens = AnswerTokens.of(tokenizer)
+        self.calls = 0
+        self.cached_prompt_tokens = 0
+        self.prompt_tokens = 0
+
+    @classmethod
+    def for_model(cls, model: str, dtype: str = "auto") -> SupportJudge:
+        """A judge with its own engine and prefix cache over ``model`` (a pack name)."""
+        from decoding import Engine, load_model
+
+        lm = load_model(model, dtype=dtype, progress=False)
+        engine = Engine(lm, prefix_cache=True)
+        return cls(lm.tokenizer, engine.generate, name=model)
+
+    def support(self, passages: Sequence[str], question: str | None, sentence: str) -> float:
+        prompt = encode_messages(self.tokenizer, judge_messages(passages, question, sentence))
+        capture = NextTokenLogits()
+        request = GenerationRequest(prompt, max_tokens=1, speculation="off", logits_processors=[capture])
+        for event in self._generate(request):
+            if event.stats is not None:
+                self.cached_prompt_tokens += event.stats.cached_prompt_tokens
+        assert capture.logits is not None
+        self.calls += 1
+        self.prompt_tokens += len(prompt)
+        return p_yes(capture.logits, self._tokens)
