@@ -74,6 +74,13 @@ class SupportJudge:
         return cls(lm.tokenizer, engine.generate, name=model)
 
     def support(self, passages: Sequence[str], question: str | None, sentence: str) -> float:
+        """The most any one passage supports the sentence: each is asked alone, since with all
+        of them in view the model credits a number or a name another passage holds (on the
+        Prometheus dev claims, AUROC 0.81 for the best single passage against 0.71 for all
+        passages at once)."""
+        return max((self._ask([passage], question, sentence) for passage in passages), default=0.0)
+
+    def _ask(self, passages: Sequence[str], question: str | None, sentence: str) -> float:
         prompt = encode_messages(self.tokenizer, judge_messages(passages, question, sentence))
         capture = NextTokenLogits()
         request = GenerationRequest(prompt, max_tokens=1, speculation="off", logits_processors=[capture])

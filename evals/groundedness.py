@@ -37,7 +37,10 @@ import numpy as np
 from evals import text_match as tm
 
 MIN_CONTENT_STEMS = 3  # fewer content words than this is not a claim ("Yes.", "In short:")
+TOO_SHORT = "too short to be a claim"
 NLI_CANDIDATES = 4  # passage windows (closest by cosine) the NLI judge reads per sentence
+RESTATEMENT_NEW_STEMS = 4  # content stems beyond the question's that a restatement may add
+NUMBER_CONTEXT = 0.2  # share of a claim's words around a number where a passage states it
 SWAP_ALIGNMENT = 0.6  # share of a claim's words in one passage sentence for "same statement, other value"
 
 
@@ -50,6 +53,7 @@ class ScorerSettings:
     clause_coverage: float = 0.25  # a clause of a paraphrase needs this share of its words in some passage
     semantic: bool = True  # False: lexical only (a sentence needs lexical_coverage)
     min_entailment: float = 0.5  # with an NLI judge: P(entailment) that supports an in-between sentence
+    min_judge_support: float = 0.4  # with a support judge (agent/support_judge.py): P(yes) a claim needs
 
 
 @dataclass
@@ -130,11 +134,23 @@ class GroundednessScorer:
         return self._embedder
 
     def score(self, answer: str, passages: Sequence[str], question: str | None = None) -> GroundednessResult:
-        """Per-sentence support of ``answer`` by ``passages`` (any of them may support any sentence)."""
-        return self._score_prepared(answer, [_Passage.of(text) for text in passages])
+        """Per-sentence support of ``answer`` by ``passages`` (any of them may support any sentence).
 
-    def _score_prepared(self, answer: str, prepared: Sequence[_Passage]) -> GroundednessResult:
+        With ``question``, an answer too short to be a claim on its own ("9100.") is judged as
+        the answer to it, by the support judge when there is one.
+        """
+        return self._score_prepared(answer, [_Passage.of(text) for text in passages], question)
+
+    def _score_prepared(
+        self, answer: str, prepared: Sequence[_Passage], question: str | None = None
+    ) -> GroundednessResult:
         verdicts = [self.judge(sentence, prepared) for sentence in tm.split_sentences(answer)]
+        if question:
+            verdicts = [_restating(verdict, question) or verdict for verdict in verdicts]
+        if question and len(verdicts) == 1 and verdicts[0].reason == TOO_SHORT:
+            verdicts = [self._judge_short_answer(answer, question, prepared)]
+        elif self.support_judge is not None:
+            verdicts = [self._second_opinion(verdict, question, prepared) for verdict in verdicts]
         scorable = [v for v in verdicts if v.supported is not None]
         value = sum(1 for v in scorable if v.supported) / len(scorable) if scorable else None
         return GroundednessResult(value, verdicts)
@@ -148,10 +164,42 @@ class GroundednessScorer:
             return SentenceVerdict(sentence, None, None, "", reason, 0.0, labels)
         stems = tm.content_stems(sentence)
         if len(set(stems)) < MIN_CONTENT_STEMS:
-            return SentenceVerdict(sentence, None, None, "", "too short to be a claim", 0.0, labels)
+            return SentenceVerdict(sentence, None, None, "", TOO_SHORT, 0.0, labels)
         if not passages:
             return SentenceVerdict(sentence, False, None, "", "no passages", 0.0, labels)
         return self._judge_claim(sentence, stems, passages, labels)
+
+    def _judge_short_answer(self, answer: str, question: str, passages: Sequence[_Passage]) -> SentenceVerdict:
+        """A bare answer ("9100.", "The Pushgateway.") read as the answer to ``question``: a
+        number in no passage is unsupported; otherwise only the support judge can tell a right
+        value from another one the passages also hold, and without it the answer is not scored."""
+        labels = tm.cited_labels(answer)
+        missing = tm.numbers(answer, words=False) - set().union(*(p.numbers for p in passages))
+        if missing:
+            return SentenceVerdict(
+                answer, False, None, "", f"number {', '.join(sorted(missing))} in no passage", 0.0, labels
+            )
+        if self.support_judge is None:
+            return SentenceVerdict(answer, None, None, "", TOO_SHORT, 0.0, labels)
+        return self._ask_judge(SentenceVerdict(answer, True, None, "", "short answer", 0.0, labels), question, passages)
+
+    def _second_opinion(
+        self, verdict: SentenceVerdict, question: str | None, passages: Sequence[_Passage]
+    ) -> SentenceVerdict:
+        """The support judge reads every claim the rules let through: a meaning changed with the
+        passages' own words (a flipped comparison, a fact moved to another subject) passes them."""
+        if not verdict.supported:
+            return verdict
+        return self._ask_judge(verdict, question, passages)
+
+    def _ask_judge(
+        self, verdict: SentenceVerdict, question: str | None, passages: Sequence[_Passage]
+    ) -> SentenceVerdict:
+        texts = [passage.text for passage in passages]
+        probability = self.support_judge.support(texts, question, tm.strip_citations(verdict.text))
+        if probability >= self.settings.min_judge_support:
+            return dataclasses.replace(verdict, reason=f"{verdict.reason}; judge P(yes) {probability:.2f}")
+        return dataclasses.replace(verdict, supported=False, reason=f"judge: P(yes) {probability:.2f}")
 
     def _judge_claim(
         self, sentence: str, stems: list[str], passages: Sequence[_Passage], labels: list[str]
@@ -168,7 +216,9 @@ class GroundednessScorer:
         for index, passage in enumerate(passages):
             if index != verdict.best_passage:
                 alone = self._judge_with(sentence, stems, [passage], labels)
-                if alone.supported:
+                # Only on its own words: a paraphrase by cosine would let a claim the best
+                # passage contradicts through on a passage about something else.
+                if alone.supported and alone.coverage >= self.settings.lexical_coverage:
                     return dataclasses.replace(alone, best_passage=index)
         return verdict
 
@@ -188,7 +238,7 @@ class GroundednessScorer:
         problem = (
             _number_problem(sentence, aligned, passages)
             or _name_problem(sentence, aligned, passages)
-            or tm.negation_conflict(sentence, aligned, [s for p in evidence_passages for s in p.sentences])
+            or tm.negation_conflict(sentence, aligned, [s for p in passages for s in p.sentences])
         )
         if problem:
             supported, reason, evidence = False, problem, aligned
@@ -299,6 +349,10 @@ def _number_problem(sentence: str, aligned: str, passages: Sequence[_Passage]) -
     missing = claimed - known
     if missing:
         return f"number {', '.join(sorted(missing))} in no passage"
+    for number in sorted(tm.numbers(sentence, words=False)):
+        context = _number_context(sentence, number, passages)
+        if context < NUMBER_CONTEXT:
+            return f"number {number} is stated about something else (best context share {context:.2f})"
     extra, absent = claimed - aligned_numbers, aligned_numbers - tm.numbers(sentence)
     if extra and absent and _aligned_share(sentence, aligned) >= SWAP_ALIGNMENT:
         return f"number {', '.join(sorted(extra))} where the passage says {', '.join(sorted(absent))}"
@@ -309,14 +363,88 @@ def _name_problem(sentence: str, aligned: str, passages: Sequence[_Passage]) -> 
     """A code name in no passage, or one swapped for the name the aligned passage sentence uses."""
     known = set().union(*(p.identifiers for p in passages))
     claimed = tm.code_names(sentence)
-    missing = {name for name in claimed if name not in known and name.removesuffix("s") not in known}
+    missing = {
+        name
+        for name in claimed
+        if name not in known and name.removesuffix("s") not in known and not _spelled_out(name, passages)
+    }
     if missing:
         return f"name {', '.join(sorted(missing))} in no passage"
     aligned_names = tm.code_names(aligned)
     extra, absent = claimed - aligned_names, aligned_names - claimed - tm.identifier_tokens(sentence)
     if extra and absent and _aligned_share(sentence, aligned) >= SWAP_ALIGNMENT:
         return f"name {', '.join(sorted(extra))} where the passage says {', '.join(sorted(absent))}"
+    # A product or project named where the evidence names another ("the SNMP Exporter's
+    # textfile collector" for the Node Exporter's): often a name from another shown passage.
+    said, stated = _singular(tm.proper_names(sentence)), _singular(tm.proper_names(aligned))
+    extra, absent = said - stated - _singular(_words(aligned)), stated - said - _singular(_words(sentence))
+    if extra and absent and _aligned_share(sentence, aligned) >= SWAP_ALIGNMENT:
+        return f"name {', '.join(sorted(extra))} where the passage says {', '.join(sorted(absent))}"
     return None
+
+
+def _words(text: str) -> set[str]:
+    return {word.lower() for word in re.findall(r"\w+", text)}
+
+
+def _singular(words: set[str]) -> set[str]:
+    return {word.removesuffix("s") for word in words}
+
+
+def _restating(verdict: SentenceVerdict, question: str) -> SentenceVerdict | None:
+    """An unsupported verdict for a sentence that only turns the question around ("The
+    evaluation_interval setting is the option that sets the evaluation interval"): it says
+    the question's words twice over and adds at most ``RESTATEMENT_NEW_STEMS`` of its own."""
+    if verdict.supported is None or _carries_an_answer(verdict.text, question):
+        return None
+    asked = set(_stems_with_parts(question))
+    said = _stems_with_parts(verdict.text)
+    repeated = [stem for stem in asked if said.count(stem) >= 2]
+    new = set(said) - asked
+    if len(repeated) >= 2 and len(new) <= RESTATEMENT_NEW_STEMS:
+        reason = f"restates the question ({', '.join(sorted(repeated))} twice; adds only {', '.join(sorted(new))})"
+        return dataclasses.replace(verdict, supported=False, reason=reason)
+    return None
+
+
+def _carries_an_answer(sentence: str, question: str) -> bool:
+    """A value, a polarity or a yes/no: what a restatement lacks ("Yes, ...", "... is not
+    valid", "... released on 2026-07-01")."""
+    opening = sentence.lstrip().split(maxsplit=1)[0].strip(",.!").lower() if sentence.strip() else ""
+    return (
+        opening in {"yes", "no"}
+        or tm.has_negation(sentence)
+        or bool(tm.numbers(sentence, words=False) - tm.numbers(question, words=False))
+    )
+
+
+def _stems_with_parts(text: str) -> list[str]:
+    """Content stems, with a snake_case name also counted as its words."""
+    spelled = re.sub(r"(?<=[a-z0-9])_(?=[a-z0-9])", " ", text)
+    return tm.content_stems(text) + [stem for stem in tm.content_stems(spelled) if "_" not in stem]
+
+
+def _number_context(sentence: str, number: str, passages: Sequence[_Passage]) -> float:
+    """How much of the claim's wording surrounds ``number`` where a passage states it: the best
+    share of the claim's content stems in a passage sentence holding it.
+    A number taken from another shown passage's sentence ("2012" from the founding date, in a
+    claim about joining the CNCF) shares little with the claim there."""
+    wanted = set(tm.content_stems(sentence)) - {number}
+    if not wanted or float(number) < 10:  # small values recur everywhere: bucket bounds, counts, indexes
+        return 1.0
+    shares = []
+    for passage in passages:
+        sentences = passage.sentences or (passage.text,)
+        for text in sentences:
+            if number in tm.numbers(text, words=False):
+                shares.append(len(wanted & set(tm.content_stems(text))) / len(wanted))
+    return max(shares, default=1.0)  # held only outside prose sentences (a table, code): not judged here
+
+
+def _spelled_out(name: str, passages: Sequence[_Passage]) -> bool:
+    """``min_shards`` where a passage writes "min shards" (prose naming a setting)."""
+    words = " ".join(part for part in name.split("_") if part)
+    return "_" in name and any(words in " ".join(passage.text.lower().split()) for passage in passages)
 
 
 def _aligned_share(sentence: str, aligned: str) -> float:

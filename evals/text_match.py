@@ -52,7 +52,9 @@ _KEYWORD_ROLE = re.compile(
 _CALLED = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*)\(\)")  # len(), str()
 _QUOTED = re.compile(r"`([^`\n]{1,60})`|\"([^\"\n]{1,40})\"")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
-_NUMBER = re.compile(r"(?<![\w.])\d+(?:,\d{3})*(?:\.\d+)?(?:[eE][-+]?\d+)?(?![\w])")
+# A quantity may carry its unit ("30ms", "2h", "64MB"): the unit is not part of the number.
+_UNIT = r"(?:ns|us|µs|ms|s|m|h|d|w|y|b|kb|mb|gb|tb|kib|mib|gib|tib|x|%)"
+_NUMBER = re.compile(rf"(?<![\w.])\d+(?:,\d{{3}})*(?:\.\d+)?(?:[eE][-+]?\d+)?(?={_UNIT}?(?![\w]))", re.I)
 _SMALL_NUMBERS = (
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
     "sixteen seventeen eighteen nineteen twenty"
@@ -231,6 +233,22 @@ def _looks_like_code(token: str) -> bool:
     return token.lower() in _CODE_WORDS and (token.lower() not in ("none", "true", "false") or token[0].isupper())
 
 
+_CAPITALISED = re.compile(r"(?<![\w`'])([A-Z][A-Za-z0-9]*[A-Z0-9][A-Za-z0-9]*|[A-Z][a-z]+)(?![\w`'])")
+_SENTENCE_START = re.compile(r"(?:^|[.!?:;]\s+|\n\s*[*\-#>]*\s*|\[P\d+\]\s*)$")
+
+
+def proper_names(text: str) -> set[str]:
+    """Capitalised words that are not a sentence's first word ("SNMP", "Pushgateway",
+    "Kubernetes"), lower-cased: the names of products, projects and people in prose."""
+    text = strip_citations(text)
+    names = set()
+    for match in _CAPITALISED.finditer(text):
+        if _SENTENCE_START.search(text[: match.start()]) or match.group(1).lower() in STOPWORDS:
+            continue
+        names.add(match.group(1).lower())
+    return names
+
+
 def identifier_tokens(text: str) -> set[str]:
     """Every identifier part in ``text``, lower-cased: what a code name is looked up in."""
     parts: set[str] = set()
@@ -283,21 +301,84 @@ def negation_conflict(claim: str, aligned: str, evidence_sentences: Sequence[str
     """
     claim_stems = set(content_stems(claim))
     claim_scopes = negation_scopes(claim)
+    # Closeness is measured per clause of the claim: a second clause ("..., so the post is a
+    # good start") must not hide a first one that contradicts the evidence.
+    parts = [set(content_stems(part)) for part in clauses(claim)]
+    parts = [part for part in parts if len(part) >= 3] or [claim_stems]
     for scope in claim_scopes:
+        # A holder states most of the negated words (all but one of three: "cannot easily
+        # start" against "can start") in a sentence close to the claim.
         holders = [
             sentence
             for sentence in evidence_sentences
-            if scope <= set(content_stems(sentence)) and _share(claim_stems, sentence) >= 0.5
+            if len(scope & set(content_stems(sentence))) >= _most(scope) and _closeness(parts, sentence) >= 0.5
         ]
         negated = any(scope & other for sentence in holders for other in negation_scopes(sentence))
         if holders and not negated:
             return f"the claim negates '{', '.join(sorted(scope))}', the evidence does not"
-    for scope in negation_scopes(aligned):
-        shared = scope & claim_stems
-        enough = len(scope) if len(scope) < 2 else max(2, len(scope) - 1)
-        if len(shared) >= enough and not any(scope & other for other in claim_scopes):
-            return f"the evidence negates '{', '.join(sorted(shared))}', the claim does not"
-    return _prefix_antonym(claim, aligned)
+    close = [aligned] + [s for s in evidence_sentences if _closeness(parts, s) >= DROPPED_SHARE]
+    for sentence in close:
+        for scope in negation_scopes(sentence):
+            shared = scope & claim_stems
+            enough = len(scope) if len(scope) < 2 else max(2, len(scope) - 1)
+            if len(shared) >= enough and not any(scope & other for other in claim_scopes):
+                return f"the evidence negates '{', '.join(sorted(shared))}', the claim does not"
+    return _prefix_antonym(claim, aligned) or _antonym_swap(claim, aligned)
+
+
+def _closeness(parts: Sequence[set[str]], sentence: str) -> float:
+    stems = set(content_stems(sentence))
+    return max(len(part & stems) / len(part) for part in parts)
+
+
+def _most(scope: set[str]) -> int:
+    return len(scope) if len(scope) < 3 else len(scope) - 1
+
+
+def _antonym_swap(claim: str, aligned: str) -> str | None:
+    """'oldest first' in the claim where the evidence says 'newest first' (or 'before' for
+    'after', 'lower' for 'higher'): the claim keeps the evidence's words and flips one."""
+    claim_words = {word.lower() for word in _WORD.findall(strip_citations(claim))}
+    aligned_words = {word.lower() for word in _WORD.findall(aligned)}
+    if _share(set(content_stems(claim)), aligned) < SWAP_SHARE:
+        return None
+    for first, second in _ANTONYMS:
+        for said, stated in ((first, second), (second, first)):
+            flipped = said in claim_words and stated in aligned_words
+            if flipped and said not in aligned_words and stated not in claim_words:
+                return f"'{said}' where the evidence says '{stated}'"
+    return None
+
+
+DROPPED_SHARE = 0.6  # an evidence sentence this close to the claim may not negate what it states
+SWAP_SHARE = 0.5  # share of the claim's words in the evidence sentence for an antonym to be a flip
+_ANTONYMS = (
+    ("oldest", "newest"),
+    ("older", "newer"),
+    ("earliest", "latest"),
+    ("earlier", "later"),
+    ("before", "after"),
+    ("first", "last"),
+    ("higher", "lower"),
+    ("highest", "lowest"),
+    ("more", "less"),
+    ("more", "fewer"),
+    ("most", "least"),
+    ("larger", "smaller"),
+    ("largest", "smallest"),
+    ("increases", "decreases"),
+    ("increasing", "decreasing"),
+    ("minimum", "maximum"),
+    ("above", "below"),
+    ("faster", "slower"),
+    ("easier", "harder"),
+    ("better", "worse"),
+    ("push", "pull"),
+    ("pushed", "pulled"),
+    ("always", "never"),
+    ("enabled", "disabled"),
+    ("inside", "outside"),
+)
 
 
 def _share(stems: set[str], sentence: str) -> float:
