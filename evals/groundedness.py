@@ -216,9 +216,12 @@ class GroundednessScorer:
         for index, passage in enumerate(passages):
             if index != verdict.best_passage:
                 alone = self._judge_with(sentence, stems, [passage], labels)
-                # Only on its own words: a paraphrase by cosine would let a claim the best
-                # passage contradicts through on a passage about something else.
-                if alone.supported and alone.coverage >= self.settings.lexical_coverage:
+                # Where the best passage is contradicted outright (the claim adds a negation or
+                # flips a word), only a passage with the claim's own words may overrule it: a
+                # paraphrase by cosine would let the contradiction through on a passage about
+                # something else.
+                lexical = alone.coverage >= self.settings.lexical_coverage
+                if alone.supported and (lexical or not tm.is_contradiction(verdict.reason)):
                     return dataclasses.replace(alone, best_passage=index)
         return verdict
 

@@ -315,7 +315,7 @@ def negation_conflict(claim: str, aligned: str, evidence_sentences: Sequence[str
         ]
         negated = any(scope & other for sentence in holders for other in negation_scopes(sentence))
         if holders and not negated:
-            return f"the claim negates '{', '.join(sorted(scope))}', the evidence does not"
+            return f"{CLAIM_NEGATES} '{', '.join(sorted(scope))}', the evidence does not"
     close = [aligned] + [s for s in evidence_sentences if _closeness(parts, s) >= DROPPED_SHARE]
     for sentence in close:
         for scope in negation_scopes(sentence):
@@ -329,6 +329,16 @@ def negation_conflict(claim: str, aligned: str, evidence_sentences: Sequence[str
 def _closeness(parts: Sequence[set[str]], sentence: str) -> float:
     stems = set(content_stems(sentence))
     return max(len(part & stems) / len(part) for part in parts)
+
+
+CLAIM_NEGATES = "the claim negates"
+FLIPPED = "where the evidence says"
+
+
+def is_contradiction(reason: str) -> bool:
+    """A reason of ``negation_conflict`` that says the claim contradicts its evidence outright:
+    a negation the evidence lacks, or a word flipped to its opposite."""
+    return reason.startswith(CLAIM_NEGATES) or FLIPPED in reason
 
 
 def _most(scope: set[str]) -> int:
@@ -346,7 +356,7 @@ def _antonym_swap(claim: str, aligned: str) -> str | None:
         for said, stated in ((first, second), (second, first)):
             flipped = said in claim_words and stated in aligned_words
             if flipped and said not in aligned_words and stated not in claim_words:
-                return f"'{said}' where the evidence says '{stated}'"
+                return f"'{said}' {FLIPPED} '{stated}'"
     return None
 
 
