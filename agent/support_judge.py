@@ -30,6 +30,9 @@ JUDGE_ASK = (
     "Answer yes or no."
 )
 
+ANSWER_SYSTEM = "Answer the question from the passages only, in a few words."
+ANSWER_TOKENS = 24
+
 
 def judge_messages(passages: Sequence[str], question: str | None, sentence: str) -> list[dict[str, str]]:
     """Passages first (shared between the sentences of one answer), then the claim and the ask."""
@@ -79,6 +82,20 @@ class SupportJudge:
         Prometheus dev claims, AUROC 0.81 for the best single passage against 0.71 for all
         passages at once)."""
         return max((self._ask([passage], question, sentence) for passage in passages), default=0.0)
+
+    def answer(self, passages: Sequence[str], question: str) -> str:
+        """The model's own short answer to ``question`` from ``passages`` (greedy): a bare
+        answer is checked by agreeing with it, which P(yes) could not do (on the dev claims
+        it told 9 of 10 right and wrong short answers apart; P(yes) overlapped)."""
+        shown = "\n\n".join(f"[P{index}] {text.strip()}" for index, text in enumerate(passages, start=1))
+        messages = [
+            {"role": "system", "content": ANSWER_SYSTEM},
+            {"role": "user", "content": f"Passages:\n{shown}\n\nQuestion: {question.strip()}"},
+        ]
+        request = GenerationRequest(encode_messages(self.tokenizer, messages), max_tokens=ANSWER_TOKENS)
+        token_ids = [token for event in self._generate(request) for token in event.token_ids]
+        self.calls += 1
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True)).strip()
 
     def _ask(self, passages: Sequence[str], question: str | None, sentence: str) -> float:
         prompt = encode_messages(self.tokenizer, judge_messages(passages, question, sentence))

@@ -181,6 +181,11 @@ class GroundednessScorer:
             )
         if self.support_judge is None:
             return SentenceVerdict(answer, None, None, "", TOO_SHORT, 0.0, labels)
+        if hasattr(self.support_judge, "answer"):  # the model answers too: agree with it
+            own = self.support_judge.answer([passage.text for passage in passages], question)
+            agrees = tm.short_answers_agree(tm.strip_citations(answer), own)
+            reason = f"short answer {'agrees' if agrees else 'disagrees'} with the judge's own: {own[:80]!r}"
+            return SentenceVerdict(answer, agrees, None, own, reason, 0.0, labels)
         return self._ask_judge(SentenceVerdict(answer, True, None, "", "short answer", 0.0, labels), question, passages)
 
     def _second_opinion(

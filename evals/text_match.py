@@ -435,5 +435,25 @@ def exact_match(prediction: str, reference: str) -> bool:
     return normalize_answer(prediction) == normalize_answer(reference)
 
 
+def short_answers_agree(given: str, own: str) -> bool:
+    """Whether a bare answer ("9100.", "The Pushgateway.") says what another answer says:
+    the same numbers, one inside the other once quotes and stops are stripped, or half its
+    content words."""
+
+    def bare(text: str) -> str:
+        return " ".join(text.lower().replace("`", " ").split()).strip(" .,;:!?\"'()")
+
+    if not bare(own):
+        return False
+    given_numbers = numbers(given, words=False)
+    if given_numbers:
+        return given_numbers <= numbers(own, words=False)
+    padded_given, padded_own = f" {bare(given)} ", f" {bare(own)} "
+    if padded_given in padded_own or padded_own in padded_given:  # whole words only
+        return True
+    stems = set(content_stems(given))
+    return bool(stems) and len(stems & set(content_stems(own))) / len(stems) >= 0.5
+
+
 def whitespace_normalized(text: str) -> str:
     return " ".join(text.split())

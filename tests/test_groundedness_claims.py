@@ -161,3 +161,39 @@ def test_the_judge_takes_the_best_single_passage(monkeypatch: pytest.MonkeyPatch
     answers = {"first": 0.2, "second": 0.8, "third": 0.5}
     monkeypatch.setattr(judge, "_ask", lambda passages, question, sentence: answers[passages[0]])
     assert judge.support(["first", "second", "third"], None, "claim") == 0.8
+
+
+class AnsweringJudge(FixedJudge):
+    """A judge that also answers questions: a short answer must agree with its answer."""
+
+    def __init__(self, own_answer: str) -> None:
+        super().__init__(0.99)
+        self.own_answer = own_answer
+
+    def answer(self, passages: Sequence[str], question: str) -> str:
+        return self.own_answer
+
+
+def test_a_short_answer_must_agree_with_the_judges_own_answer(scorer: GroundednessScorer) -> None:
+    passages = ["The Prometheus server listens on port 9090.", "The node exporter listens on port 9100."]
+    question = "Which port does Prometheus listen on by default?"
+    judge = GroundednessScorer(embedder=scorer.embedder, judge=AnsweringJudge("9090"))
+    assert verdict(judge, "9090.", passages, question).supported is True
+    wrong = verdict(judge, "9100.", passages, question)
+    assert wrong.supported is False and "disagrees" in wrong.reason
+
+
+@pytest.mark.parametrize(
+    "given, own, agree",
+    [
+        ("9100.", "9090", False),
+        ("Every 15 seconds.", "15 seconds", True),
+        ("The Pushgateway.", "Pushgateway", True),
+        ("The Pushgateway.", "the Prometheus server behind the firewall", False),
+        ("Those beginning with __ (two underscores).", "`__`", True),
+        ("Not at all.", "no", False),  # "no" is not a word of "not at all"
+        ("Pushgateway.", "", False),
+    ],
+)
+def test_short_answers_agree_on_numbers_whole_words_or_half_their_words(given: str, own: str, agree: bool) -> None:
+    assert tm.short_answers_agree(given, own) is agree
