@@ -125,9 +125,10 @@ def answer_scores(run: Mapping[str, Any], scorer: GroundednessScorer | None = No
     report can be rescored when the scorer changes: ``python -m evals.run --rescore``)."""
     answer = run["answer"]
     shown = {p["label"]: p["text"] for p in run["passages"]}
-    citations = citation_scores(answer, shown, scorer)
+    question = run.get("question")
+    citations = citation_scores(answer, shown, scorer, question)
     model_answer = run.get("model_answer", answer)
-    model = citations if model_answer == answer else citation_scores(model_answer, shown, scorer)
+    model = citations if model_answer == answer else citation_scores(model_answer, shown, scorer, question)
     grounded = citations["groundedness"]
     answerable = run["answerable"]
     return {

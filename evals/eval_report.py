@@ -23,7 +23,8 @@ def _threshold(config: Mapping[str, Any]) -> str:
 
 
 def _nli(config: Mapping[str, Any]) -> str:
-    return f"NLI judge `{config['nli']}`, " if config.get("nli") else ""
+    nli = f"NLI judge `{config['nli']}`, " if config.get("nli") else ""
+    return nli + (f"support judge `{config['judge']}`, " if config.get("judge") else "")
 
 
 def render_markdown(report: Mapping[str, Any]) -> str:

@@ -515,7 +515,9 @@ def _judge_code(block: str, passages: Sequence[_Passage], labels: list[str]) -> 
     return SentenceVerdict(block, False, best, "", f"only {share:.0%} of code lines appear in a passage", share, labels)
 
 
-def citation_scores(answer: str, shown: Mapping[str, str], scorer: GroundednessScorer | None = None) -> dict[str, Any]:
+def citation_scores(
+    answer: str, shown: Mapping[str, str], scorer: GroundednessScorer | None = None, question: str | None = None
+) -> dict[str, Any]:
     """Citation checks for an answer whose ``[Pn]`` markers refer to ``shown`` (label → text).
 
     precision: (sentence, cited passage) pairs where that passage supports the sentence, alone or
@@ -524,7 +526,7 @@ def citation_scores(answer: str, shown: Mapping[str, str], scorer: GroundednessS
     """
     scorer = scorer or default_scorer()
     prepared = {label: _Passage.of(text) for label, text in shown.items()}
-    result = scorer._score_prepared(answer, list(prepared.values()))  # passages parsed once
+    result = scorer._score_prepared(answer, list(prepared.values()), question)  # passages parsed once
     pairs = precise = unresolved = cited_supported = 0
     for sentence in result.sentences:
         valid = [label for label in sentence.citations if label in prepared]

@@ -137,6 +137,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="local NLI cross-encoder folder: it judges the scorer's uncertain sentences (evals/nli.py)",
     )
+    parser.add_argument(
+        "--judge",
+        default=None,
+        help="a model pack asked yes/no about each sentence the rules let through (agent/support_judge.py)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the summary (and on/off comparison) as JSON")
@@ -150,9 +155,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m evals.run") -
     return run(args, command=" ".join([prog, *(argv if argv is not None else sys.argv[1:])]))
 
 
+def _judge(model: str | None) -> Any:
+    if model is None:
+        return None
+    from agent.support_judge import SupportJudge
+
+    return SupportJudge.for_model(model)
+
+
 def run(args: argparse.Namespace, command: str) -> int:
     try:
-        scorer = GroundednessScorer(nli=NliJudge(args.nli) if args.nli else None)
+        scorer = GroundednessScorer(nli=NliJudge(args.nli) if args.nli else None, judge=_judge(args.judge))
     except NliUnavailable as error:
         print(f"eval groundedness: {error}", file=sys.stderr)
         return 2
@@ -213,6 +226,7 @@ def _rescore(args: argparse.Namespace, command: str, scorer: GroundednessScorer)
         report.pop("records_off")
     report["rescored_by"] = command
     report["config"]["nli"] = scorer.nli.folder if scorer.nli else None
+    report["config"]["judge"] = getattr(scorer.support_judge, "name", None)
     return _finish(report, args)
 
 
@@ -306,6 +320,7 @@ def _report(
         "shared_prefix_cache": args.shared_prefix_cache,
         "citation_min_similarity": _effective_min_similarity(args),
         "nli": str(args.nli) if args.nli else None,
+        "judge": args.judge,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip()
         + f", {torch.get_num_threads()} torch threads, cuda {torch.cuda.is_available()}",
         "elapsed_s": round(elapsed, 1),

@@ -197,3 +197,21 @@ def test_a_short_answer_must_agree_with_the_judges_own_answer(scorer: Groundedne
 )
 def test_short_answers_agree_on_numbers_whole_words_or_half_their_words(given: str, own: str, agree: bool) -> None:
     assert tm.short_answers_agree(given, own) is agree
+
+
+def test_the_eval_scores_an_answer_against_its_question(scorer: GroundednessScorer) -> None:
+    from evals.eval_metrics import answer_scores
+
+    run = {
+        "answer": "9100.",
+        "question": "Which port does Prometheus listen on by default?",
+        "passages": [
+            {"label": "P1", "text": "The Prometheus server listens on port 9090."},
+            {"label": "P2", "text": "The node exporter listens on port 9100."},
+        ],
+        "answerable": True,
+        "reference": "9090",
+    }
+    judged = answer_scores(run, GroundednessScorer(embedder=scorer.embedder, judge=AnsweringJudge("9090")))
+    assert judged["groundedness"] == 0.0 and judged["scorable_sentences"] == 1
+    assert answer_scores(run, scorer)["scorable_sentences"] == 0  # no judge: a bare value is not scored
