@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import shutil
 import struct
 import sys
 import tempfile
@@ -100,7 +99,7 @@ def _read(stream: BinaryIO, size: int) -> bytes:
 
 
 def _save_tokenizer(header: bytes, out_dir: Path, marker: dict[str, str], progress: bool) -> None:
-    """Convert the metadata to a tokenizer folder; the rename makes it atomic."""
+    """Convert the metadata to a tokenizer folder, published atomically."""
     from transformers import AutoTokenizer
 
     if progress:
@@ -109,14 +108,4 @@ def _save_tokenizer(header: bytes, out_dir: Path, marker: dict[str, str], progre
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=".tokenizer-gguf-") as work:
         (Path(work) / "metadata.gguf").write_bytes(header)
         tokenizer = AutoTokenizer.from_pretrained(work, gguf_file="metadata.gguf")
-    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
-    try:
-        tokenizer.save_pretrained(staging)
-        (staging / packs.MARKER).write_text(json.dumps(marker, indent=2))
-        staging.chmod(0o755)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        staging.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    packs.publish_folder(out_dir, tokenizer.save_pretrained, marker)

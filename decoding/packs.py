@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, cast
@@ -243,10 +243,20 @@ def convert_gguf(gguf_path: Path, out_dir: Path, marker: dict[str, str]) -> None
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    staging = Path(tempfile.mkdtemp(dir=_ensure_dir(out_dir.parent), prefix=f".{out_dir.name}-"))
-    try:
+
+    def write(staging: Path) -> None:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+
+    publish_folder(out_dir, write, marker)
+
+
+def publish_folder(out_dir: Path, write: Callable[[Path], object], marker: dict[str, str]) -> None:
+    """``write`` a cache folder into a staging folder beside it, then rename it into place, so
+    a crash or a kill never leaves a half-written folder where a load would find it."""
+    staging = Path(tempfile.mkdtemp(dir=_ensure_dir(out_dir.parent), prefix=f".{out_dir.name}-"))
+    try:
+        write(staging)
         (staging / MARKER).write_text(json.dumps(marker, indent=2))
         staging.chmod(0o755)  # mkdtemp makes it private; the cache is readable like any other
         if out_dir.exists():

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from evals.abstention import split as odd_even_split
+from evals.calibrate_groundedness import write_json
 from evals.groundedness import GroundednessScorer
 
 DATASETS = Path(__file__).parent / "datasets"
@@ -144,8 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"{corpus}/{part} {error['id']} {error['label']}/{error['kind']}: {error['reason']}")
                     print(f"   {error['answer']}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        write_json(args.json, result)
     return 0
 
 

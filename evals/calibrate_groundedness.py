@@ -154,9 +154,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             reason = error["reason"] or "(not flagged)"
             print(f"{error['id']} {error['label']}/{error['kind']}: {reason}\n   {error['answer']}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        write_json(args.json, result)
     return 0
+
+
+def write_json(path: Path, result: Mapping[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":
