@@ -259,7 +259,7 @@ MUTATIONS = (
     Mutation(
         "groundedness_ignores_negation",
         "evals/groundedness.py",
-        "or tm.negation_conflict(sentence, aligned, [s for p in evidence_passages for s in p.sentences])",
+        "or tm.negation_conflict(sentence, aligned, [s for p in passages for s in p.sentences])",
         "or None",
         ("tests/test_groundedness.py",),
     ),
