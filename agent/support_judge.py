@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from agent.answerability import AnswerTokens, NextTokenLogits
+from agent.answerability import AnswerTokens, NextTokenLogits, p_unanswerable
 from agent.prompt import encode_messages
 from decoding import GenerationEvent, GenerationRequest
 
@@ -43,11 +43,8 @@ def judge_messages(passages: Sequence[str], question: str | None, sentence: str)
 
 
 def p_yes(logits: torch.Tensor, tokens: AnswerTokens) -> float:
-    """P(yes) / (P(yes) + P(no)) of the next token: renormalised to the two replies."""
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
-    log_yes = torch.logsumexp(log_probs[list(tokens.yes)], dim=0)
-    log_no = torch.logsumexp(log_probs[list(tokens.no)], dim=0)
-    return float(torch.sigmoid(log_yes - log_no))
+    """P(yes) / (P(yes) + P(no)) of the next token: the probe's P(no) read the other way."""
+    return 1.0 - p_unanswerable(logits, tokens)
 
 
 class SupportJudge:
@@ -63,9 +60,6 @@ class SupportJudge:
         self.tokenizer = tokenizer
         self._generate = generate
         self._tokens = AnswerTokens.of(tokenizer)
-        self.calls = 0
-        self.cached_prompt_tokens = 0
-        self.prompt_tokens = 0
 
     @classmethod
     def for_model(cls, model: str, dtype: str = "auto") -> SupportJudge:
@@ -94,17 +88,13 @@ class SupportJudge:
         ]
         request = GenerationRequest(encode_messages(self.tokenizer, messages), max_tokens=ANSWER_TOKENS)
         token_ids = [token for event in self._generate(request) for token in event.token_ids]
-        self.calls += 1
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True)).strip()
 
     def _ask(self, passages: Sequence[str], question: str | None, sentence: str) -> float:
         prompt = encode_messages(self.tokenizer, judge_messages(passages, question, sentence))
         capture = NextTokenLogits()
         request = GenerationRequest(prompt, max_tokens=1, speculation="off", logits_processors=[capture])
-        for event in self._generate(request):
-            if event.stats is not None:
-                self.cached_prompt_tokens += event.stats.cached_prompt_tokens
+        for _ in self._generate(request):
+            pass
         assert capture.logits is not None
-        self.calls += 1
-        self.prompt_tokens += len(prompt)
         return p_yes(capture.logits, self._tokens)
