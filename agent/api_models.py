@@ -55,7 +55,14 @@ class AgentRunRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # false: the irrelevance gate (agent/tool_gate.py) never holds the first step to text
     tool_gate: bool = True
     # "attribute": each answer sentence re-cites the shown passage closest in meaning (agent/attribution.py)
-    citations: Literal["model", "attribute"] = "model"
+    citations: Literal["model", "attribute"] = "attribute"
+    # the answer checked against the passages (agent/grounding/check.py): "mark" records
+    # grounded or not, "abstain" replies 'The documents do not say.' when it is not
+    grounding: Literal["off", "mark", "abstain"] = "mark"
+    min_supported: (
+        Annotated[float, msgspec.Meta(ge=0.0, le=1.0, description="share of claims the passages must support")] | None
+    ) = None
+    grounding_judge: bool = False  # the model also judges each claim the rules let through
     citation_min_similarity: (
         Annotated[float, msgspec.Meta(ge=0.0, le=1.0, description="cosine a sentence needs to cite a passage")] | None
     ) = None

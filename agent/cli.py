@@ -39,6 +39,31 @@ def probability(text: str) -> float:
     return value
 
 
+def add_grounding_arguments(parser: argparse.ArgumentParser) -> None:
+    """The groundedness check's options (agent/grounding/check.py), for ``ask`` and the eval."""
+    from agent.grounding.check import DEFAULT_MIN_SUPPORTED, GROUNDING_MODES
+
+    parser.add_argument(
+        "--grounding",
+        choices=GROUNDING_MODES,
+        default="mark",
+        help="check the answer against the passages: mark it (default), abstain when unsupported, or off",
+    )
+    parser.add_argument(
+        "--min-supported",
+        type=probability,
+        default=DEFAULT_MIN_SUPPORTED,
+        help="share of the answer's claims the passages must support for it to be grounded",
+    )
+    parser.add_argument(
+        "--grounding-judge", action="store_true", help="the model also judges each claim the rules let through"
+    )
+
+
+def grounding_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"grounding": args.grounding, "min_supported": args.min_supported, "grounding_judge": args.grounding_judge}
+
+
 def _pull(args: argparse.Namespace) -> int:
     from decoding import packs
 
@@ -194,13 +219,18 @@ def _ask(args: argparse.Namespace) -> int:
         options["max_steps"] = args.max_steps
     if args.abstain_threshold is not None:
         options["abstain_threshold"] = args.abstain_threshold
-    options["citations"] = args.citations
+    options |= {"citations": args.citations, **grounding_options(args)}
     result = agent.run(args.question, **options)
     trace = agent.trace(result["trace_id"])
     if args.json:
         print(json.dumps({**result, "trace": trace}, indent=2))
         return 0
     print(result["answer"])
+    grounding = result["grounding"]
+    if grounding is not None and not grounding["grounded"]:
+        print(f"\nnot grounded: {grounding['score']:.0%} of its claims are supported by the passages; unsupported:")
+        for sentence in grounding["unsupported"]:
+            print(f"  - {sentence['text']} ({sentence['reason']})")
     if result["citations"]:
         print("\ncitations:")
         for citation in result["citations"]:
@@ -260,9 +290,10 @@ def _add_agent_commands(commands: Any) -> None:
     ask.add_argument(
         "--citations",
         choices=["model", "attribute"],
-        default="model",
-        help="attribute: each answer sentence cites the shown passage closest in meaning (agent/attribution.py)",
+        default="attribute",
+        help="attribute (default): each sentence cites the shown passage closest in meaning; model: the model's own",
     )
+    add_grounding_arguments(ask)
     ask.add_argument("--json", action="store_true", help="print the result with its trace as JSON")
     ask.set_defaults(handler=_ask)
 

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from agent.answerability import ABSTENTION, AnswerTokens
-from agent.attribution import Attributor, attribution_record
+from agent.attribution import Attributor
 from agent.call_rules import (
     SEARCH_TOOL,
     canonical_call,
@@ -55,6 +55,7 @@ from agent.call_rules import (
     made_before,
     uses_results,
 )
+from agent.loop_checks import AnswerChecks
 from agent.loop_probes import FirstStepProbes
 from agent.prompt import PromptParts, format_passage, passage_label, prompt_ids
 from agent.repeat_deviation import TRIES, BanAt, MarginRecorder, deviations
@@ -101,7 +102,7 @@ class Generated:
     grammar: Grammar | None
 
 
-class AgentLoop(FirstStepProbes):
+class AgentLoop(FirstStepProbes, AnswerChecks):
     """Runs the loop over a model's tokenizer, a retriever, tools and a ``generate`` callable."""
 
     def __init__(
@@ -161,6 +162,13 @@ class AgentLoop(FirstStepProbes):
                 answer = yield from self._steps(run)
                 if options.citations == "attribute" and run.shown and self.retriever is not None:
                     answer = self._attribute(run, answer)
+                if options.grounding != "off" and self.retriever is not None and (run.shown or run.executed):
+                    answer = self._ground(run, answer)
+                if options.grounding == "abstain":  # withheld until checked: sent whole
+                    yield {
+                        "event": "token",
+                        "data": {"step": run.steps[-1]["index"] if run.steps else 0, "text": answer},
+                    }
             result = run.result(answer)
             trace.root.set_attribute("output_tokens", result["usage"]["completion_tokens"])
             trace.finish()
@@ -199,7 +207,7 @@ class AgentLoop(FirstStepProbes):
                 continue
             if not calls:
                 run.steps.append(step_record(step, "answer", stats))
-                if tool_names and run.executed:  # held back until it was known to use the results
+                if tool_names and run.executed and options.grounding != "abstain":  # held until it used them
                     yield {"event": "token", "data": {"step": step, "text": text}}
                 return text.strip()
             fresh = first_time(calls, run.executed)
@@ -302,8 +310,10 @@ class AgentLoop(FirstStepProbes):
         decoder = IncrementalDecoder(self.tokenizer)
         # With tools, text is streamed once it is known not to be a call; after tool results,
         # only once it is known to use them (``_steps`` sends it whole).
-        streaming = not tool_names
-        hold = bool(tool_names) and bool(run.executed)
+        # With grounding="abstain", not before it is checked (``events``).
+        withheld = run.options.grounding == "abstain"
+        streaming = not tool_names and not withheld
+        hold = (bool(tool_names) and bool(run.executed)) or withheld
         call_opening = (self.call_format.syntax.open or "{")[0]
         with run.trace.span(f"chat {self.model_name}", {"gen_ai.request.model": self.model_name}) as chat:
             cycles = []
@@ -324,17 +334,6 @@ class AgentLoop(FirstStepProbes):
             record_chat(run.trace, chat, cycles, stats)
         run.stats.append(stats)
         return Generated(decoder.finish(), stats, token_ids, len(prompt), recorder, grammar)
-
-    def _attribute(self, run: RunState, answer: str) -> str:
-        """The answer citing by post-hoc attribution; the model's own text is kept in the result."""
-        threshold = run.options.citation_min_similarity
-        with run.trace.span("attribute", {"min_similarity": threshold}) as span:
-            if self._attributor is None:
-                self._attributor = Attributor(self.retriever.embedder)
-            attributed, choices = self._attributor.attribute(answer, run.shown, threshold)
-            run.attribution = attribution_record(threshold, answer, choices)
-            span.set_attribute("cited_sentences", sum(choice.label is not None for choice in choices))
-        return attributed
 
     def _parts(self, run: RunState, tool_names: list[str]) -> PromptParts:
         return PromptParts(

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agent.attribution import DEFAULT_MIN_SIMILARITY
+from agent.grounding.check import DEFAULT_MIN_SUPPORTED, GROUNDING_MODES
 from agent.results import ShownPassage, resolve_citations, speculation_summary
 from agent.tool_gate import DEFAULT_MIN_CALL_PROBABILITY, DEFAULT_MIN_TOOL_SIMILARITY, GateVerdict
 from agent.trace import Trace
@@ -37,8 +38,15 @@ class RunOptions:
     # "attribute": the final answer's [Pn] markers are replaced by post-hoc ones, each sentence
     # citing the shown passage closest in meaning when the cosine reaches citation_min_similarity
     # (agent/attribution.py); "model": the markers the model wrote.
-    citations: str = "model"
+    citations: str = "attribute"
     citation_min_similarity: float = DEFAULT_MIN_SIMILARITY
+    # The answer checked against the run's passages and tool results (agent/grounding/check.py):
+    # "mark" records grounded or not with the unsupported sentences; "abstain" also replies
+    # ABSTENTION when the supported share of its claims is below min_supported; "off": no check.
+    # grounding_judge: the model itself also judges each claim the rules let through.
+    grounding: str = "mark"
+    min_supported: float = DEFAULT_MIN_SUPPORTED
+    grounding_judge: bool = False
     # The irrelevance gate (agent/tool_gate.py): the first step may only answer in text when
     # no offered tool is this close to the question, or when the model's P(opening a call)
     # is below this. None: that signal is off. Applies where the loop has the gate's parts.
@@ -57,6 +65,10 @@ class RunOptions:
             raise ValueError(f"abstain_threshold must be within [0, 1], not {self.abstain_threshold}")
         if self.citations not in CITATION_MODES:
             raise ValueError(f"citations must be one of {', '.join(CITATION_MODES)}, not {self.citations!r}")
+        if self.grounding not in GROUNDING_MODES:
+            raise ValueError(f"grounding must be one of {', '.join(GROUNDING_MODES)}, not {self.grounding!r}")
+        if not 0.0 <= self.min_supported <= 1.0:
+            raise ValueError(f"min_supported must be within [0, 1], not {self.min_supported}")
         if not 0.0 <= self.citation_min_similarity <= 1.0:
             raise ValueError(f"citation_min_similarity must be within [0, 1], not {self.citation_min_similarity}")
 
@@ -82,6 +94,7 @@ class RunState:
     stats: list[GenerationStats] = field(default_factory=list)
     answerability: dict[str, Any] | None = None
     attribution: dict[str, Any] | None = None
+    grounding: dict[str, Any] | None = None
 
     @property
     def held(self) -> bool:
@@ -109,6 +122,7 @@ class RunState:
             "answerability": self.answerability,
             "tool_gate": self.gate.record() if self.gate is not None else None,
             "attribution": self.attribution,
+            "grounding": self.grounding,
             "deviations": self.deviations,
             "trace_id": self.trace.trace_id,
         }

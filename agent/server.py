@@ -243,7 +243,10 @@ def _run_options(agent: Any, body: AgentRunRequest, limits: ServerLimits) -> dic
             "tools": list(tools),
             "abstain_threshold": body.abstain_threshold,
             "citations": body.citations,
+            "grounding": body.grounding,
+            "grounding_judge": body.grounding_judge,
         }
+        | ({} if body.min_supported is None else {"min_supported": body.min_supported})
         | ({} if body.citation_min_similarity is None else {"citation_min_similarity": body.citation_min_similarity})
         | ({} if body.tool_gate else {"min_tool_similarity": None, "min_call_probability": None})
     )

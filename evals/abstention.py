@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -20,11 +21,11 @@ from typing import Any
 
 
 def split(items: Sequence[Mapping[str, Any]], part: str) -> list[Mapping[str, Any]]:
-    """``dev``: odd-numbered ids (g001, g003, ...); ``held_out``: even; ``all``: every item."""
+    """``dev``: odd-numbered ids (g001, p003, ...); ``held_out``: even; ``all``: every item."""
     if part == "all":
         return list(items)
     odd = part == "dev"
-    return [item for item in items if (int(str(item["id"]).lstrip("gc")) % 2 == 1) == odd]
+    return [item for item in items if (int(re.sub(r"^\D+", "", str(item["id"]))) % 2 == 1) == odd]
 
 
 def rates(records: Sequence[Mapping[str, Any]], threshold: float) -> dict[str, Any]:

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from agent.attribution import Attributor, Embedder
+from agent.grounding import GroundednessScorer, citation_scores
 from agent.results import ShownPassage
 from evals.abstention import split
-from evals.groundedness import GroundednessScorer, citation_scores
 
 THRESHOLDS = (0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9)
 

@@ -29,9 +29,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from agent.grounding import GroundednessScorer
 from evals.abstention import split as odd_even_split
 from evals.calibrate_groundedness import write_json
-from evals.groundedness import GroundednessScorer
 
 DATASETS = Path(__file__).parent / "datasets"
 PYTHON_SET = DATASETS / "groundedness_calibration.jsonl"
@@ -126,13 +126,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", action="append", choices=["python", "prometheus_docs"])
     parser.add_argument("--split", action="append", choices=SPLITS)
-    parser.add_argument("--judge", default=None, help="a model pack to ask yes/no (agent/support_judge.py)")
+    parser.add_argument("--judge", default=None, help="a model pack to ask yes/no (agent/grounding/support_judge.py)")
     parser.add_argument("--errors", action="store_true", help="print every misjudged item")
     parser.add_argument("--json", type=Path, help="write the full report here")
     args = parser.parse_args(argv)
     judge = None
     if args.judge:
-        from agent.support_judge import SupportJudge
+        from agent.grounding.support_judge import SupportJudge
 
         judge = SupportJudge.for_model(args.judge)
     scorer = GroundednessScorer(judge=judge)

@@ -24,8 +24,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from agent.grounding import GroundednessScorer, ScorerSettings
 from evals.abstention import split
-from evals.groundedness import GroundednessScorer, ScorerSettings
 from evals.nli import NliJudge, NliUnavailable
 
 DEFAULT_SET = Path(__file__).parent / "datasets" / "groundedness_calibration.jsonl"

@@ -12,9 +12,9 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from evals import text_match as tm
+from agent.grounding import GroundednessScorer, citation_scores
+from agent.grounding import text_match as tm
 from evals.abstention import auroc
-from evals.groundedness import GroundednessScorer, citation_scores
 
 DECODE_STAGES = ("draft", "verify", "accept", "grammar", "rollback")
 INVALID_CALL_ERRORS = frozenset({"invalid_arguments", "unknown_tool"})

@@ -25,11 +25,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agent.cli import probability
+from agent.cli import add_grounding_arguments, grounding_options, probability
+from agent.grounding import GroundednessScorer
 from evals.abstention import split
 from evals.eval_metrics import answer_scores, compare_passes, record, summarize
 from evals.eval_report import render_markdown, write_plots
-from evals.groundedness import GroundednessScorer
 from evals.nli import NliJudge, NliUnavailable
 
 DEFAULT_DATASET = Path(__file__).parent / "datasets" / "groundedness.jsonl"
@@ -122,9 +122,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--citations",
         choices=["model", "attribute"],
-        default="model",
-        help="attribute: re-cite each answer sentence post hoc (agent/attribution.py)",
+        default="attribute",
+        help="attribute (the agent's default): re-cite each answer sentence post hoc (agent/attribution.py)",
     )
+    add_grounding_arguments(parser)
     parser.add_argument(
         "--citation-min-similarity",
         type=probability,
@@ -140,7 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--judge",
         default=None,
-        help="a model pack asked yes/no about each sentence the rules let through (agent/support_judge.py)",
+        help="a model pack asked yes/no about each sentence the rules let through (agent/grounding/support_judge.py)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--no-progress", action="store_true")
@@ -158,7 +159,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m evals.run") -
 def _judge(model: str | None) -> Any:
     if model is None:
         return None
-    from agent.support_judge import SupportJudge
+    from agent.grounding.support_judge import SupportJudge
 
     return SupportJudge.for_model(model)
 
@@ -253,6 +254,7 @@ def _run_all(
         "abstain_threshold": args.abstain_threshold,
         "measure_answerability": args.measure_answerability,
         "citations": args.citations,
+        **grounding_options(args),
     }
     if args.citation_min_similarity is not None:
         options["citation_min_similarity"] = args.citation_min_similarity
@@ -317,6 +319,8 @@ def _report(
         "abstain_threshold": args.abstain_threshold,
         "measure_answerability": args.measure_answerability,
         "citations": args.citations,
+        **grounding_options(args),
+        "index": args.index or "the sample corpus",
         "shared_prefix_cache": args.shared_prefix_cache,
         "citation_min_similarity": _effective_min_similarity(args),
         "nli": str(args.nli) if args.nli else None,

@@ -79,7 +79,7 @@ def test_the_last_step_has_no_tools_so_a_run_always_answers(smollm2: CausalLM) -
 
 def test_retrieval_shows_k_passages_and_feeds_more_to_prompt_lookup(smollm2: CausalLM, retriever: Retriever) -> None:
     loop, script = scripted_loop(smollm2, ["It wraps a block [P1], see also [P9]."], retriever)
-    result = loop.run("What does the with statement do?", RunOptions(k=3, lookup_k=6))
+    result = loop.run("What does the with statement do?", RunOptions(k=3, lookup_k=6, citations="model"))
     assert [passage["label"] for passage in result["passages"]] == ["P1", "P2", "P3"]
     names = script.requests[0].lookup_source_names
     assert len(set(names)) == 6 and len(names) == len(script.requests[0].lookup_sources)  # reflowed variants too

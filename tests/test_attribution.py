@@ -133,7 +133,7 @@ def test_run_options_validate_the_citation_mode_and_threshold() -> None:
         RunOptions(citations="post-hoc")
     with pytest.raises(ValueError, match="citation_min_similarity"):
         RunOptions(citations="attribute", citation_min_similarity=1.5)
-    assert RunOptions().citations == "model"
+    assert RunOptions().citations == "attribute"
 
 
 def test_the_sweep_re_cites_saved_answers_and_picks_the_lowest_threshold_meeting_the_target() -> None:

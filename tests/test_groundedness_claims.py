@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from agent.answerability import AnswerTokens
-from agent.support_judge import SupportJudge, judge_messages, p_yes
-from evals import text_match as tm
-from evals.groundedness import GroundednessScorer, ScorerSettings
+from agent.grounding import GroundednessScorer, ScorerSettings
+from agent.grounding import text_match as tm
+from agent.grounding.support_judge import SupportJudge, judge_messages, p_yes
 
 
 class FixedJudge:
@@ -105,6 +105,15 @@ def test_restating_the_question_is_not_an_answer(scorer: GroundednessScorer) -> 
         "server-side."
     )
     assert verdict(scorer, answer, [passage], question).supported is True
+
+
+def test_a_restatement_that_names_the_answer_is_an_answer(scorer: GroundednessScorer) -> None:
+    question = "For `assert cond, msg`, what exception is raised when cond is false?"
+    passage = "If the expression is false, assert raises AssertionError with msg as its argument."
+    named = "The exception raised when `cond` is false is `AssertionError`."
+    assert verdict(scorer, named, [passage], question).supported is True
+    unnamed = "The exception raised when `cond` is false is the exception that assert raises."
+    assert verdict(scorer, unnamed, [passage], question).reason.startswith("restates the question")
 
 
 def test_a_short_answer_is_judged_as_the_answer_to_its_question() -> None:

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from agent.grounding import GroundednessScorer
+from agent.grounding.types import NLI_CANDIDATES
 from evals.calibrate_groundedness import main as calibrate_main
-from evals.groundedness import NLI_CANDIDATES, GroundednessScorer
 from evals.nli import NliJudge, NliUnavailable, entailment_label
 from evals.run import main as eval_main
 from tests.test_groundedness import SUPPORTED, WITH
