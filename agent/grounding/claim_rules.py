@@ -113,7 +113,8 @@ def restating(verdict: SentenceVerdict, question: str) -> SentenceVerdict | None
     said = _stems_with_parts(verdict.text)
     repeated = [stem for stem in asked if said.count(stem) >= 2]
     new = set(said) - asked
-    if len(repeated) >= 2 and len(new) <= RESTATEMENT_NEW_STEMS:
+    answered = new & set(_stems_with_parts(verdict.evidence))
+    if len(repeated) >= 2 and len(new) <= RESTATEMENT_NEW_STEMS and len(answered) < 2:
         reason = f"restates the question ({', '.join(sorted(repeated))} twice; adds only {', '.join(sorted(new))})"
         return dataclasses.replace(verdict, supported=False, reason=reason)
     return None
