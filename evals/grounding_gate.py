@@ -21,9 +21,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agent.grounding import GroundednessScorer
+from agent.grounding import GroundednessResult, GroundednessScorer
 from agent.grounding import text_match as tm
-from agent.grounding.check import DEFAULT_MIN_SUPPORTED
+from agent.grounding.check import DEFAULT_MIN_SUPPORTED, is_grounded
 
 SHARES = (0.2, 0.34, 0.5, 0.67, 0.75, 1.0)
 
@@ -33,18 +33,18 @@ def drafted_answer(record: Mapping[str, Any]) -> str:
     return (record.get("grounding") or {}).get("withheld_answer") or record["answer"]
 
 
-def grounding_scores(records: Sequence[Mapping[str, Any]], scorer: GroundednessScorer) -> list[float | None]:
-    """Supported ÷ scorable claims of each drafted answer (None: nothing scorable)."""
-    return [scorer.score(drafted_answer(r), [p["text"] for p in r["passages"]], r["question"]).score for r in records]
+def grounding_results(records: Sequence[Mapping[str, Any]], scorer: GroundednessScorer) -> list[GroundednessResult]:
+    """Each drafted answer scored as the run's check scores it."""
+    return [scorer.score(drafted_answer(r), [p["text"] for p in r["passages"]], r["question"]) for r in records]
 
 
-def rates(records: Sequence[Mapping[str, Any]], scores: Sequence[float | None], share: float) -> dict[str, Any]:
+def rates(records: Sequence[Mapping[str, Any]], results: Sequence[GroundednessResult], share: float) -> dict[str, Any]:
     """Abstention rates had the check run with ``grounding="abstain", min_supported=share``."""
 
-    def abstains(record: Mapping[str, Any], score: float | None) -> bool:
-        return tm.is_abstention(drafted_answer(record)) or (score is not None and score < share)
+    def abstains(record: Mapping[str, Any], result: GroundednessResult) -> bool:
+        return tm.is_abstention(drafted_answer(record)) or not is_grounded(result, share)
 
-    flags = [(r["answerable"], abstains(r, s)) for r, s in zip(records, scores, strict=True)]
+    flags = [(r["answerable"], abstains(r, s)) for r, s in zip(records, results, strict=True)]
     unanswerable = [flag for answerable, flag in flags if not answerable]
     answerable = [flag for answerable, flag in flags if answerable]
     return {
@@ -58,14 +58,14 @@ def rates(records: Sequence[Mapping[str, Any]], scores: Sequence[float | None], 
 
 def gate_report(report: Mapping[str, Any], scorer: GroundednessScorer) -> dict[str, Any]:
     records = report["records"]
-    scores = grounding_scores(records, scorer)
+    results = grounding_results(records, scorer)
     config = report.get("config", {})
     return {
         "model": config.get("model"),
         "dataset": config.get("dataset"),
         "citations": config.get("citations"),
         "records_with_tool_calls": sum(1 for r in records if r.get("tool_calls")),
-        "rows": [rates(records, scores, share) for share in SHARES],
+        "rows": [rates(records, results, share) for share in SHARES],
     }
 
 

@@ -116,6 +116,13 @@ def test_a_restatement_that_names_the_answer_is_an_answer(scorer: GroundednessSc
     assert verdict(scorer, unnamed, [passage], question).reason.startswith("restates the question")
 
 
+def test_a_quoted_value_the_question_does_not_say_is_an_answer(scorer: GroundednessScorer) -> None:
+    question = "On what HTTP path does Prometheus expect a target to expose its metrics by default?"
+    passage = "By default, Prometheus scrapes the HTTP path /metrics of every target it is given."
+    named = "The default HTTP path for Prometheus to expose its metrics is `/metrics`."
+    assert verdict(scorer, named, [passage], question).supported is True
+
+
 def test_a_short_answer_is_judged_as_the_answer_to_its_question() -> None:
     passages = ["The Prometheus server listens on port 9090.", "The node exporter listens on port 9100."]
     question = "Which port does Prometheus listen on by default?"

@@ -34,6 +34,7 @@ def test_an_answer_is_grounded_when_enough_of_its_claims_are_supported() -> None
     half = GroundednessResult(0.5, [verdict(True), verdict(False, "An invented claim here.")])
     assert is_grounded(half, 0.5) and not is_grounded(half, 0.6)
     assert is_grounded(GroundednessResult(None, [verdict(None)]), 1.0)  # nothing scorable: nothing wrong
+    assert not is_grounded(GroundednessResult(None, [verdict(None, "[P1]")]), 0.0)  # but saying nothing is no answer
     record = grounding_record(half, 0.6)
     assert record["grounded"] is False and record["scorable"] == 2
     assert record["unsupported"] == [{"text": "An invented claim here.", "reason": "reason"}]

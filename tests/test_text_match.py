@@ -89,3 +89,9 @@ def test_token_f1_and_exact_match_follow_squad() -> None:
 def test_stems_join_inflections() -> None:
     assert {tm.stem(w) for w in ("terminate", "terminates", "terminated", "terminating")} == {"terminat"}
     assert tm.stem("class") == "class" and tm.stem("classes") == "class"
+
+
+def test_a_bound_is_not_a_negation() -> None:
+    assert not tm.has_negation("Have no more than 5 graphs on a console.")
+    assert not tm.negation_scopes("Keep it to not more than 5 lines per graph.")
+    assert tm.has_negation("Have no graphs on a console.")

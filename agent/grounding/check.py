@@ -23,19 +23,25 @@ in it to be wrong.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from agent.grounding import text_match as tm
 from agent.grounding.types import GroundednessResult
 
 GROUNDING_MODES = ("off", "mark", "abstain")
 # Measured: the share of supported claims below which an answer is not grounded (README,
 # "Grounded answers on documents nobody here has seen"; python -m evals.grounding_gate).
 DEFAULT_MIN_SUPPORTED = 0.5
+_WORD = re.compile(r"[A-Za-z0-9]")
 
 
 def is_grounded(result: GroundednessResult, min_supported: float) -> bool:
-    """Supported claims ÷ scorable claims reaches ``min_supported``; nothing scorable is grounded."""
+    """Supported claims ÷ scorable claims reaches ``min_supported``; nothing scorable is
+    grounded, unless the answer says nothing at all (a bare "[P1]")."""
+    if not any(_WORD.search(tm.strip_citations(sentence.text)) for sentence in result.sentences):
+        return False
     return result.score is None or result.score >= min_supported
 
 

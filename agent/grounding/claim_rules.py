@@ -138,15 +138,14 @@ def _names_beyond(sentence: str, question: str) -> set[str]:
     corpus's own subject ("Prometheus") turns up in restatements too."""
     asked_words = set(_stems_with_parts(question))
 
-    def names(text: str) -> set[str]:
-        quoted = {term.lower() for term in _QUOTED.findall(text)}
-        return tm.code_names(text) | quoted
-
-    return {
+    quoted = {term.lower() for term in _QUOTED.findall(sentence)} - {term.lower() for term in _QUOTED.findall(question)}
+    spelled = {
         name
-        for name in names(sentence) - names(question)
+        for name in tm.code_names(sentence) - tm.code_names(question)
         if not set(tm.content_stems(re.sub(r"[_.]", " ", name))) <= asked_words
     }
+    # a quoted term is an answer unless the question says it ("`/metrics`" for "its metrics" is one)
+    return spelled | {term for term in quoted if term not in question.lower()}
 
 
 def _stems_with_parts(text: str) -> list[str]:

@@ -257,8 +257,16 @@ def identifier_tokens(text: str) -> set[str]:
     return parts
 
 
+# "no more than 5 graphs" bounds a value, it does not negate: read as "at most 5 graphs".
+_BOUND = re.compile(r"\b(?:no|not)\s+(?:more|fewer|less|later|earlier|greater|longer)\s+than\b", re.I)
+
+
+def without_bounds(text: str) -> str:
+    return _BOUND.sub("at most", text)
+
+
 def has_negation(text: str) -> bool:
-    return bool(_NEGATION.search(text))
+    return bool(_NEGATION.search(without_bounds(text)))
 
 
 _SCOPE_TOKEN = re.compile(r"[A-Za-z]+n['’]t\b|[A-Za-z_][A-Za-z0-9_]*|\d+(?:\.\d+)?|[,;:.()!?]")
@@ -274,7 +282,7 @@ def negation_scopes(text: str) -> list[set[str]]:
     scopes: list[set[str]] = []
     current: set[str] | None = None
     reach = 0
-    for token in _SCOPE_TOKEN.findall(strip_citations(text)):
+    for token in _SCOPE_TOKEN.findall(without_bounds(strip_citations(text))):
         lower = token.lower()
         if lower in NEGATIONS or lower.endswith(("n't", "n’t")):
             if current:
