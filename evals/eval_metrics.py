@@ -22,9 +22,21 @@ INVALID_CALL_ERRORS = frozenset({"invalid_arguments", "unknown_tool"})
 
 def trace_stages(trace: Mapping[str, Any] | None) -> dict[str, float]:
     """Seconds per stage of one run: retrieve, answerability (the probe), prompt, prefill, decode,
-    tool, attribute (post-hoc citations), and the decode cycles' draft/verify/accept/grammar/rollback,
+    tool, attribute (post-hoc citations), grounding (the answer's check), and the decode cycles'
+    draft/verify/accept/grammar/rollback,
     plus the run's wall time."""
-    stages = ("retrieve", "answerability", "prompt", "prefill", "decode", "tool", "attribute", *DECODE_STAGES, "wall")
+    stages = (
+        "retrieve",
+        "answerability",
+        "prompt",
+        "prefill",
+        "decode",
+        "tool",
+        "attribute",
+        "grounding",
+        *DECODE_STAGES,
+        "wall",
+    )
     out = dict.fromkeys(stages, 0.0)
     if trace is None:
         return out
@@ -48,7 +60,7 @@ def _stage_of(name: str, is_root: bool) -> str | None:
     if name.startswith("execute_tool"):
         return "tool"
     named = {"prompt_build": "prompt", "prefill": "prefill", "decode": "decode"}
-    return named.get(name) or (name if name in ("answerability", "attribute") else None)
+    return named.get(name) or (name if name in ("answerability", "attribute", "grounding") else None)
 
 
 def accepted_lengths(trace: Mapping[str, Any] | None) -> list[int]:
@@ -116,6 +128,7 @@ def record(
         "off_reasons": speculation["off_reasons"],
         "p_unanswerable": (result.get("answerability") or {}).get("p_unanswerable"),
         "gated_abstention": bool((result.get("answerability") or {}).get("abstained")),
+        "grounding": result.get("grounding"),  # the run's own check (agent/grounding/check.py)
     }
     return {**base, **answer_scores(base, scorer)}
 
@@ -180,6 +193,8 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "groundedness": _mean([r["groundedness"] for r in records]),
         "groundedness_micro": _ratio(supported, sum(r["scorable_sentences"] for r in records)),
         "answers_with_claims": sum(1 for r in records if r["scorable_sentences"]),
+        # the run's check: answers it marked not grounded (or withheld, under "abstain")
+        "not_grounded": _mean([float(not r["grounding"]["grounded"]) for r in records if r.get("grounding")]),
         "citation_precision": _ratio(precise, pairs),
         "citation_recall": _ratio(cited_supported, supported),
         "citations": pairs,

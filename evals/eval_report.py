@@ -35,8 +35,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         f"model `{config['model']}`, draft `{config['draft']}`, speculation `{config['speculation']}`, "
         f"k {config['k']}, max steps {config['max_steps']}, max tokens {config['max_tokens']}, "
         f"system prompt `{config.get('system', 'not recorded')}`, abstain threshold {config.get('abstain_threshold')}, "
-        f"citations `{config.get('citations', 'model')}`{_threshold(config)}, {_nli(config)}"
-        f"{summary['questions']} questions from `{config['dataset']}`; {config['machine']}.",
+        f"citations `{config.get('citations', 'model')}`{_threshold(config)}, {_grounding(config)}{_nli(config)}"
+        f"{summary['questions']} questions from `{config['dataset']}` over the index "
+        f"`{config.get('index', 'not recorded')}`; {config['machine']}.",
         "",
         f"Command: `{report['command']}`",
         "",
@@ -47,6 +48,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         ("groundedness (mean per answer)", _fmt(summary["groundedness"])),
         ("groundedness (supported ÷ scorable sentences)", _fmt(summary["groundedness_micro"])),
         ("answers with scorable claims", _fmt(summary["answers_with_claims"])),
+        ("answers the run's check marked not grounded", _fmt(summary.get("not_grounded"), True)),
         ("citation precision", _fmt(summary["citation_precision"])),
         ("citation recall", _fmt(summary["citation_recall"])),
         ("citations / unresolved", f"{summary['citations']} / {summary['unresolved_citations']}"),
@@ -153,3 +155,10 @@ def _save(figure: Any, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     plt.close(figure)
+
+
+def _grounding(config: Mapping[str, Any]) -> str:
+    if "grounding" not in config:
+        return "grounding check not recorded, "
+    judge = " with the model as judge" if config.get("grounding_judge") else ""
+    return f"grounding `{config['grounding']}` at supported share ≥ {config.get('min_supported')}{judge}, "
