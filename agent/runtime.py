@@ -19,6 +19,7 @@ from typing import Any
 from agent.loop import AgentEvent, AgentLoop, RunOptions
 from agent.tool_gate import ToolRelevance
 from agent.trace import Tracer, TraceStore
+from agent.trace_otel import export_from_env
 from agent.worker import EngineWorker
 from decoding.engine import Engine
 from decoding.grammar import Grammar
@@ -56,7 +57,7 @@ class Agent:
         self.registry = ToolRegistry(tools)
         if self.retriever is not None and search_tool and "search_documents" not in self.registry:
             self.registry.register(search_documents_tool(self.retriever))
-        self.tracer = tracer or Tracer(store=TraceStore())
+        self.tracer = tracer or Tracer(store=TraceStore(export=export_from_env()))
         self._lock = threading.Lock()
         self.worker = EngineWorker(self.engine, max_in_flight) if concurrent else None
         self.loop = AgentLoop(

@@ -3,9 +3,10 @@
     app = create_app(Agent(index=..., concurrent=True))   # then: uvicorn.run(app)
 
 Routes: ``POST /v1/agent/runs`` (the agent loop; SSE with ``stream``), ``POST /v1/chat/completions``
-(OpenAI-compatible, ``agent/openai_compat.py``), ``GET /v1/models``, ``GET /v1/traces/{id}``
-(+ ``/view``, the HTML waterfall), ``GET /metrics`` (``agent/metrics.py``), ``GET /healthz``,
-and litestar's OpenAPI schema at ``/schema/openapi.json`` (bodies are ``agent/api_models.py``).
+(OpenAI-compatible, ``agent/openai_compat.py``), ``GET /v1/models``, ``GET /v1/traces`` (recent
+runs; ``/v1/traces/view`` as HTML), ``GET /v1/traces/{id}`` (+ ``/view``, the HTML waterfall),
+``GET /metrics`` (``agent/metrics.py``), ``GET /healthz``, and litestar's OpenAPI schema at
+``/schema/openapi.json`` (bodies are ``agent/api_models.py``).
 
 Blocking work (tokenising, grammar compiles, agent runs, generation) runs in worker threads,
 never on the event loop; generation itself goes through the agent's engine worker, so
@@ -32,7 +33,7 @@ import anyio.to_thread
 from litestar import Litestar, MediaType, Response, get, post
 from litestar.middleware import DefineMiddleware
 from litestar.openapi import OpenAPIConfig, ResponseSpec
-from litestar.params import FromPath, JSONBody
+from litestar.params import FromPath, FromQuery, JSONBody
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 from litestar.types import ASGIApp, Receive, Scope, Send
 
@@ -41,6 +42,7 @@ from agent.errors import EXCEPTION_HANDLERS, ApiError, error_body, invalid, logg
 from agent.loop import default_tools
 from agent.metrics import CONTENT_TYPE, MetricsMiddleware, ServerMetrics
 from agent.openai_compat import ChatRun, plan_chat
+from agent.trace_index import MAX_PAGE, STATUSES, TraceSummary, recent, render_index
 from agent.trace_view import render_waterfall
 from agent.worker import QueueFull, WorkerStopped
 
@@ -57,6 +59,7 @@ _ERRORS = {
 }
 ERROR_RESPONSES = {status: ResponseSpec(ErrorResponse, description=text) for status, text in _ERRORS.items()}
 GET_ERRORS = {status: ERROR_RESPONSES[status] for status in (401,)}
+LIST_ERRORS = {status: ERROR_RESPONSES[status] for status in (400, 401)}
 TRACE_ERRORS = {**GET_ERRORS, 404: ResponseSpec(ErrorResponse, description="unknown trace, or no longer kept")}
 
 
@@ -135,6 +138,26 @@ def create_app(
         model = {"id": agent.model.name, "object": "model", "created": started, "owned_by": "specrag"}
         return {"object": "list", "data": [model]}
 
+    @get("/v1/traces", summary="Recent runs, newest first (filters, paged)", responses=LIST_ERRORS)
+    async def traces(
+        status: FromQuery[str | None] = None,
+        min_duration_ms: FromQuery[float] = 0.0,
+        limit: FromQuery[int] = 50,
+        offset: FromQuery[int] = 0,
+    ) -> dict[str, Any]:
+        page, total = _recent_traces(agent, status, min_duration_ms, limit, offset)
+        return {"object": "list", "data": [item.as_dict() for item in page], "total": total, "offset": offset}
+
+    @get("/v1/traces/view", summary="Recent runs as an HTML table linking each waterfall", media_type=MediaType.HTML)
+    async def traces_view(
+        status: FromQuery[str | None] = None,
+        min_duration_ms: FromQuery[float] = 0.0,
+        limit: FromQuery[int] = 50,
+        offset: FromQuery[int] = 0,
+    ) -> str:
+        page, total = _recent_traces(agent, status, min_duration_ms, limit, offset)
+        return render_index(page, total)
+
     @get("/v1/traces/{trace_id:str}", summary="A run's span tree as JSON", responses=TRACE_ERRORS)
     async def trace(trace_id: FromPath[str]) -> dict[str, Any]:
         return _trace_or_404(agent, trace_id)
@@ -194,13 +217,28 @@ def create_app(
     middleware = [DefineMiddleware(MetricsMiddleware, metrics=metrics)]
     if key:
         middleware.append(DefineMiddleware(AuthMiddleware, api_key=key))
+    trace_routes = [traces, traces_view, trace, trace_view]
     return Litestar(
-        route_handlers=[healthz, models, trace, trace_view, metrics_route, agent_runs, chat_completions],
+        route_handlers=[healthz, models, *trace_routes, metrics_route, agent_runs, chat_completions],
         middleware=middleware,
         exception_handlers=EXCEPTION_HANDLERS,
         request_max_body_size=max_body_bytes,
         openapi_config=OpenAPIConfig(title="specrag", version="0.1.0", path="/schema"),
     )
+
+
+def _recent_traces(
+    agent: Any, status: str | None, min_duration_ms: float, limit: int, offset: int
+) -> tuple[list[TraceSummary], int]:
+    if status is not None and status not in STATUSES:
+        raise invalid("status", f"status must be one of {', '.join(STATUSES)}, not {status!r}")
+    if not 1 <= limit <= MAX_PAGE:
+        raise invalid("limit", f"limit must be within 1..{MAX_PAGE}, not {limit}")
+    if offset < 0 or min_duration_ms < 0:
+        raise invalid("offset" if offset < 0 else "min_duration_ms", "must be at least 0")
+    store = agent.tracer.store
+    kept = store.snapshot() if store is not None else []
+    return recent(kept, status=status, min_duration_ms=min_duration_ms, limit=limit, offset=offset)
 
 
 def _trace_or_404(agent: Any, trace_id: str) -> dict[str, Any]:

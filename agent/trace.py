@@ -33,7 +33,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -351,11 +351,17 @@ class Tracer:
 class TraceStore:
     """The last ``max_traces`` finished traces as dicts (LRU), optionally appended to a JSONL file."""
 
-    def __init__(self, max_traces: int = 1000, jsonl_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        max_traces: int = 1000,
+        jsonl_path: Path | None = None,
+        export: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         if max_traces < 1:
             raise ValueError("max_traces must be at least 1")
         self.max_traces = max_traces
         self.jsonl_path = jsonl_path
+        self.export = export  # e.g. agent/trace_otel.py's OtlpExport, given every finished trace
         self._traces: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -368,6 +374,11 @@ class TraceStore:
                 self._traces.popitem(last=False)
         if self.jsonl_path is not None:
             self._append(self.jsonl_path, data)
+        if self.export is not None:
+            try:
+                self.export(data)
+            except Exception as exc:  # an exporter's failure must never fail the run it traces
+                logger.warning("could not export trace %s: %s", data.get("trace_id"), exc)
 
     def _append(self, path: Path, data: Mapping[str, Any]) -> None:
         # Losing a trace line must never fail the request that produced it.
@@ -385,6 +396,11 @@ class TraceStore:
             if data is not None:
                 self._traces.move_to_end(trace_id)
             return data
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Every kept trace, without touching their recency."""
+        with self._lock:
+            return list(self._traces.values())
 
     def __len__(self) -> int:
         return len(self._traces)

@@ -1,14 +1,24 @@
 """OpenTelemetry export of a finished specrag trace (the optional extra ``otel``).
 
 specrag records traces itself (``agent/trace.py``: monotonic clock, served by id without an
-exporter); this module re-creates one as real OTel SDK spans with the recorded times.
+exporter); this module re-creates one as real OTel SDK spans with the recorded times, and,
+where ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) is set, as
+the OpenTelemetry convention has it, sends every finished trace over OTLP/HTTP (protobuf) to
+that collector (Jaeger, Tempo, Phoenix, an OTel Collector). Spans keep the GenAI semantic
+conventions' names (``invoke_agent``, ``chat {model}``, ``execute_tool {name}``) and
+``gen_ai.*`` attributes. The SDK's batch processor sends from its own thread, so a slow or
+absent collector never delays a request; ``OTEL_SERVICE_NAME`` names the service
+(default ``specrag``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from typing import Any
+
+ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
 def _otel_value(value: Any) -> str | bool | int | float | list[Any] | None:
@@ -77,3 +87,40 @@ def export_to_otel(trace_dict: Mapping[str, Any], tracer_provider: Any = None) -
         end_ns = s["end_ns"] if s["end_ns"] is not None else fallback_end
         created[s["span_id"]].end(end_time=end_ns + offset)
     return len(created)
+
+
+class OtlpExport:
+    """Finished traces to an OTLP/HTTP collector; call it with a trace dict (``TraceStore(export=)``)."""
+
+    def __init__(self, endpoint: str | None = None, service_name: str | None = None) -> None:
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        except ImportError as exc:
+            raise ImportError(
+                "OTLP export needs the optional extra 'otel': pip install 'specrag[otel]' "
+                "(opentelemetry-sdk, opentelemetry-exporter-otlp-proto-http)"
+            ) from exc
+        name = service_name or os.environ.get("OTEL_SERVICE_NAME") or "specrag"
+        self.provider = TracerProvider(resource=Resource.create({"service.name": name}))
+        # With no endpoint the exporter reads the OTEL_EXPORTER_OTLP_* variables itself.
+        exporter = OTLPSpanExporter(endpoint=endpoint) if endpoint else OTLPSpanExporter()
+        self.provider.add_span_processor(BatchSpanProcessor(exporter))
+
+    def __call__(self, trace_dict: Mapping[str, Any]) -> None:
+        export_to_otel(trace_dict, self.provider)
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        return bool(self.provider.force_flush(int(timeout_s * 1000)))
+
+    def shutdown(self) -> None:
+        self.provider.shutdown()
+
+
+def export_from_env() -> OtlpExport | None:
+    """An ``OtlpExport`` where an OTLP endpoint variable is set, else None."""
+    if not any(os.environ.get(variable) for variable in ENDPOINT_VARIABLES):
+        return None
+    return OtlpExport()

@@ -25,9 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
-# No code path may reach a model hub: everything below loads from local files.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 MARKER = "specrag-pack.json"
 
 

@@ -74,9 +74,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="JSON report")
     args = parser.parse_args(argv)
 
-    from agent.cli import ensure_sample_index
     from agent.prompt import SYSTEM_PROMPTS
     from agent.runtime import Agent
+    from agent.sample_index import ensure_sample_index
 
     items = split(load_dataset(args.dataset), args.split)[: args.limit]
     index = ensure_sample_index(args.model, progress=False)

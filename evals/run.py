@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agent.cli import add_grounding_arguments, grounding_options, probability
+from agent.cli_options import add_grounding_arguments, grounding_options, probability
 from agent.grounding import GroundednessScorer
 from evals.abstention import split
 from evals.eval_metrics import answer_scores, compare_passes, record, summarize
@@ -232,9 +232,9 @@ def _rescore(args: argparse.Namespace, command: str, scorer: GroundednessScorer)
 
 
 def _agent(args: argparse.Namespace) -> Any:
-    from agent.cli import ensure_sample_index
     from agent.prompt import SYSTEM_PROMPTS
     from agent.runtime import Agent
+    from agent.sample_index import ensure_sample_index
 
     index = args.index or ensure_sample_index(args.model, progress=not args.no_progress)
     system = SYSTEM_PROMPTS[args.system]

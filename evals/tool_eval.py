@@ -233,8 +233,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, command: str) -> int:
     if args.rescore:
         return _rescore_folder(args.rescore)
-    from agent.cli import ensure_sample_index
     from agent.runtime import Agent
+    from agent.sample_index import ensure_sample_index
     from decoding.dtype_choice import cpu_model_name
     from decoding.model import load_model
     from evals.tool_suite import eval_tools

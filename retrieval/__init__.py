@@ -5,6 +5,7 @@ Heavy dependencies (torch, sentence-transformers, faiss, bs4, bm25s) are importe
 used, so importing this package stays cheap.
 """
 
+import decoding  # noqa: F401  (first: it sets HF_HUB_OFFLINE before any hub library loads)
 from retrieval.build import BuildReport, build_index
 from retrieval.chunking import Chunk, Chunker, ChunkerSettings, chunk_text, whitespace_tokens
 from retrieval.embed import MODEL_DIM, MODEL_NAME, Embedder, EmbedderLike, EmbeddingModelError, ensure_model

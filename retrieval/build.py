@@ -55,6 +55,23 @@ class BuildReport:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def describe(self) -> str:
+        """A few lines for a person: what the build wrote, reused and skipped, and its time."""
+        skipped = ", ".join(f"{reason}: {count}" for reason, count in self.skipped_by_reason.items())
+        lines = [
+            f"index {self.out_dir}: "
+            + (f"wrote version {self.version}" if self.written else f"up to date (version {self.version})"),
+            f"  files: {self.loaded} loaded, {len(self.skipped)} skipped" + (f" ({skipped})" if skipped else ""),
+            f"  added {len(self.added)}, changed {len(self.changed)}, removed {len(self.removed)}, "
+            f"unchanged {self.unchanged}",
+            f"  chunks: {self.chunks_total} in the index, {self.chunks_embedded} embedded, {self.chunks_reused} reused",
+        ]
+        if self.reembed_all_reason:
+            lines.append(f"  re-embedded everything: {self.reembed_all_reason}")
+        total, embed = self.timings.get("total_s", 0.0), self.timings.get("embed_s", 0.0)
+        lines.append(f"  took {total:.1f} s (embedding {embed:.1f} s)")
+        return "\n".join(lines)
+
 
 @dataclass
 class _Part:

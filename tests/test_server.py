@@ -73,6 +73,39 @@ def test_an_agent_run_answers_with_citations_usage_and_a_trace(client: TestClien
     assert_error(client.get("/v1/traces/0123456789abcdef/view"), 404, "trace_id")
 
 
+def test_recent_runs_are_listed_newest_first_filtered_and_paged(client: TestClient[Any], agent: Agent) -> None:
+    first = client.post("/v1/agent/runs", json=run_body()).json()["trace_id"]
+    second = client.post("/v1/agent/runs", json=run_body(question="What does del do?")).json()["trace_id"]
+    failed = agent.tracer.start_trace(attributes={"gen_ai.operation.name": "invoke_agent"})
+    failed.root.record_exception(RuntimeError("the index went away"))
+    failed.finish()
+
+    listed = client.get("/v1/traces", params={"limit": 200}).json()
+    ids = [item["trace_id"] for item in listed["data"]]
+    assert ids[:3] == [failed.trace_id, second, first] and listed["total"] == len(ids)
+    newest_run = listed["data"][1]
+    assert newest_run["status"] == "ok" and newest_run["model"] == "smollm2-135m"
+    assert newest_run["operation"] == "invoke_agent" and newest_run["output_tokens"] > 0
+    assert newest_run["input_tokens"] > newest_run["output_tokens"] and newest_run["duration_ms"] > 0
+    errors = client.get("/v1/traces", params={"status": "error"}).json()["data"]
+    assert errors[0]["trace_id"] == failed.trace_id and "the index went away" in errors[0]["error"]
+    assert all(item["status"] == "error" for item in errors)
+    page = client.get("/v1/traces", params={"limit": 1, "offset": 1}).json()
+    assert [item["trace_id"] for item in page["data"]] == [second]
+    assert client.get("/v1/traces", params={"min_duration_ms": 1e9}).json() == {
+        "object": "list",
+        "data": [],
+        "total": 0,
+        "offset": 0,
+    }
+    html = client.get("/v1/traces/view")
+    assert html.status_code == 200 and html.headers["content-type"].startswith("text/html")
+    assert f'href="/v1/traces/{second}/view"' in html.text
+    assert_error(client.get("/v1/traces", params={"status": "crashed"}), 400, "status")
+    assert_error(client.get("/v1/traces", params={"limit": 0}), 400, "limit")
+    assert_error(client.get("/v1/traces", params={"offset": -1}), 400, "offset")
+
+
 def test_a_run_with_an_abstain_threshold_of_zero_abstains_without_generating(client: TestClient[Any]) -> None:
     response = client.post("/v1/agent/runs", json=run_body(abstain_threshold=0.0))
     assert response.status_code == 200, response.text

@@ -14,6 +14,7 @@ import pytest
 
 import retrieval
 from agent import cli
+from agent import sample_index as index_cache
 from retrieval import Corpus
 from tests.retrieval_helpers import sample_index, sample_subset, shared_embedder
 from tests.server_helpers import wait_until
@@ -86,14 +87,46 @@ def test_the_sample_index_is_built_once_then_reused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("SPECRAG_CACHE", "/somewhere/else")
-    assert cli.sample_index_dir() == Path("/somewhere/else/index/sample")
+    assert index_cache.sample_index_dir() == Path("/somewhere/else/index/sample")
     # Not the cache itself: moving $SPECRAG_CACHE would re-pull the model packs too.
-    monkeypatch.setattr(cli, "sample_index_dir", lambda: tmp_path / "index" / "sample")
+    monkeypatch.setattr(index_cache, "sample_index_dir", lambda: tmp_path / "index" / "sample")
     few = Corpus(sample_subset().documents[:3])  # the whole corpus takes a minute to embed
     monkeypatch.setattr(retrieval, "load_sample_corpus", lambda: few)
     monkeypatch.setattr(retrieval, "Embedder", shared_embedder)  # the session's, loaded once
-    out = cli.ensure_sample_index("smollm2-135m")
+    out = index_cache.ensure_sample_index("smollm2-135m")
     assert out == tmp_path / "index" / "sample" and out.is_dir()
     assert "wrote version" in capsys.readouterr().err
-    assert cli.ensure_sample_index("smollm2-135m") == out
+    assert index_cache.ensure_sample_index("smollm2-135m") == out
     assert "up to date" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_serve_serves_the_users_tool_from_a_file() -> None:
+    """The quick start's path: a tool in a file, ``specrag serve --tools``, a run that calls it."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    tools = ["--tools", "examples/custom_tool.py:convert_temperature"]
+    model = ["--model", "qwen2.5-coder-0.5b", "--dtype", "float32"]  # smollm2 does not call tools
+    command = [sys.executable, "-m", "agent.cli", "serve", *model, *tools, "--no-index", "--port", str(port)]
+    server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return server.poll() is not None
+
+    try:
+        assert wait_until(healthy, timeout=300, interval=0.5) and server.poll() is None, server.stderr
+        question = {"question": "What is 21 degrees Celsius in Fahrenheit?", "max_tokens": 64, "max_steps": 3}
+        run = httpx.post(f"{url}/v1/agent/runs", json=question, timeout=600).json()
+        calls = [step["tool_call"] for step in run["steps"] if step["kind"] == "tool_call"]
+        assert calls[0] == {"name": "convert_temperature", "arguments": {"value": 21, "unit": "celsius"}}, run
+        assert "69.8" in run["answer"], run["answer"]
+        trace = httpx.get(f"{url}/v1/traces/{run['trace_id']}").json()
+        assert "execute_tool convert_temperature" in [span["name"] for span in trace["spans"]]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

@@ -1,0 +1,187 @@
+"""``specrag serve`` and ``specrag ask``: the agent from the command line.
+
+Both take the user's own tools with ``--tools module:attr`` (repeatable; ``tools/loading.py``
+says what may be named), or the user's whole agent with ``--app module:factory``, a callable
+returning an ``Agent`` (for ``serve``, built with ``concurrent=True``). A spec that fails to
+import or names no tool stops the command before any model loads, naming the spec.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from agent.cli_options import add_grounding_arguments, grounding_options, probability
+from agent.sample_index import ensure_sample_index
+
+
+class StartupError(Exception):
+    """The command cannot start as asked (a user module, a factory's result)."""
+
+
+def _agent(args: argparse.Namespace, concurrent: bool, progress: bool) -> Any:
+    from agent.runtime import Agent
+    from agent.trace import Tracer, TraceStore
+    from agent.trace_otel import export_from_env
+    from tools.loading import ToolLoadError, import_target, load_all
+
+    try:
+        if args.app is not None:
+            if args.tools:
+                raise StartupError("give --tools or --app, not both: an --app factory registers its own tools")
+            return _agent_from_factory(args.app, import_target(args.app), concurrent)
+        user_tools = load_all(args.tools)  # before any model loads: a bad module fails in a second
+    except ToolLoadError as error:
+        raise StartupError(str(error)) from error
+    index = None if args.no_index else args.index or ensure_sample_index(args.model, progress=progress)
+    options: dict[str, Any] = {"max_in_flight": args.max_in_flight} if concurrent else {}
+    trace_log = getattr(args, "trace_log", None) or os.environ.get("SPECRAG_TRACE_LOG")
+    tracer = Tracer(store=TraceStore(jsonl_path=Path(trace_log) if trace_log else None, export=export_from_env()))
+    model = {"model": args.model, "draft": args.draft, "dtype": args.dtype}
+    return Agent(tools=user_tools, index=index, concurrent=concurrent, tracer=tracer, **model, **options)
+
+
+def _agent_from_factory(spec: str, factory: Any, concurrent: bool) -> Any:
+    from agent.runtime import Agent
+
+    if not callable(factory):
+        raise StartupError(f"--app {spec!r}: not callable; name a function that returns an Agent")
+    agent = factory()
+    if not isinstance(agent, Agent):
+        raise StartupError(f"--app {spec!r} returned {type(agent).__name__}, not an Agent")
+    if concurrent and agent.worker is None:
+        agent.close()
+        raise StartupError(f"--app {spec!r}: serving needs Agent(..., concurrent=True) so requests interleave")
+    return agent
+
+
+def _started(args: argparse.Namespace, concurrent: bool, progress: bool) -> Any:
+    """The agent, or None after saying on stderr why it cannot start."""
+    try:
+        return _agent(args, concurrent=concurrent, progress=progress)
+    except StartupError as error:
+        print(f"specrag {args.command}: {error}", file=sys.stderr)
+        return None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from agent.server import serve
+
+    agent = _started(args, concurrent=True, progress=True)
+    if agent is None:
+        return 2
+    # Measure the speculation cost model now (seconds), not inside the first request's TTFT.
+    agent.engine.calibrate()
+    try:
+        serve(agent, host=args.host, port=args.port)
+    finally:
+        agent.close()
+    return 0
+
+
+def _ask(args: argparse.Namespace) -> int:
+    from agent.trace import stage_durations
+
+    agent = _started(args, concurrent=False, progress=not args.json)
+    if agent is None:
+        return 2
+    options: dict[str, Any] = {"speculation": args.speculation, "max_tokens": args.max_tokens, "k": args.k}
+    if args.max_steps is not None:
+        options["max_steps"] = args.max_steps
+    if args.abstain_threshold is not None:
+        options["abstain_threshold"] = args.abstain_threshold
+    options |= {"citations": args.citations, **grounding_options(args)}
+    result = agent.run(args.question, **options)
+    trace = agent.trace(result["trace_id"])
+    if args.json:
+        print(json.dumps({**result, "trace": trace}, indent=2))
+        return 0
+    print(result["answer"])
+    grounding = result["grounding"]
+    if grounding is not None and not grounding["grounded"]:
+        print(f"\nnot grounded: {grounding['score']:.0%} of its claims are supported by the passages; unsupported:")
+        for sentence in grounding["unsupported"]:
+            print(f"  - {sentence['text']} ({sentence['reason']})")
+    if result["citations"]:
+        print("\ncitations:")
+        for citation in result["citations"]:
+            print(f"  [{citation['label']}] {citation['source']} ({citation['passage_id']})")
+    if trace is not None:
+        print("\n" + _timing_table(stage_durations(trace), trace))
+    speculation, usage = result["speculation"], result["usage"]
+    print(
+        f"\ntokens: {usage['prompt_tokens']} prompt ({usage['cached_prompt_tokens']} cached), "
+        f"{usage['completion_tokens']} generated; speculation {'on' if speculation['ran'] else 'off'}, "
+        f"{speculation['accepted_tokens']}/{speculation['drafted_tokens']} drafted tokens accepted, "
+        f"{speculation['committed_per_call']:.2f} tokens per target call"
+    )
+    return 0
+
+
+def _timing_table(stages: dict[str, float], trace: dict[str, Any]) -> str:
+    total = (trace["duration_ms"] or 0.0) / 1000
+    rows = [(name, seconds) for name, seconds in stages.items()]
+    width = max([len(name) for name, _ in rows] + [5])
+    lines = [f"{'stage':<{width}}  {'ms':>9}  {'share':>6}"]
+    for name, seconds in rows:
+        share = seconds / total if total else 0.0
+        lines.append(f"{name:<{width}}  {seconds * 1000:>9.1f}  {share:>6.1%}")
+    lines.append(f"{'total':<{width}}  {total * 1000:>9.1f}")
+    return "\n".join(lines)
+
+
+def add_agent_commands(commands: Any) -> None:
+    def model_options(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--model", default="qwen2.5-coder-0.5b", help="pack name, HF folder or .gguf path")
+        parser.add_argument("--draft", default=None, help="draft model (pack, folder, .gguf), same vocabulary")
+        parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+        parser.add_argument("--index", default=None, help="index directory (default: the sample corpus, built once)")
+        parser.add_argument("--no-index", action="store_true", help="no documents: the tools only, no search")
+        parser.add_argument(
+            "--tools",
+            action="append",
+            default=[],
+            metavar="MODULE:ATTR",
+            help="your tools: a @tool function, a list of them, a ToolRegistry, or a module (repeatable)",
+        )
+        parser.add_argument(
+            "--app",
+            default=None,
+            metavar="MODULE:FACTORY",
+            help="a function returning your Agent (the model and index options are then its own)",
+        )
+
+    serve = commands.add_parser("serve", help="serve the HTTP API (OpenAI-compatible chat, agent runs, metrics)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    model_options(serve)
+    serve.add_argument("--max-in-flight", type=int, default=32, help="generations waiting or running; then 503")
+    serve.add_argument("--trace-log", help="also append every finished trace as a JSON line to this file")
+    serve.set_defaults(handler=_serve)
+
+    ask = commands.add_parser("ask", help="answer one question with the agent, with citations and stage timings")
+    ask.add_argument("question")
+    model_options(ask)
+    ask.add_argument("--speculation", choices=["auto", "on", "off"], default="auto")
+    ask.add_argument("--max-tokens", type=int, default=256)
+    ask.add_argument("--max-steps", type=int, default=None)
+    ask.add_argument("-k", type=int, default=5, help="passages shown in the prompt")
+    ask.add_argument(
+        "--abstain-threshold",
+        type=probability,
+        default=None,
+        help="reply 'The documents do not say.' when the answerability probe's P(no) reaches this",
+    )
+    ask.add_argument(
+        "--citations",
+        choices=["model", "attribute"],
+        default="attribute",
+        help="attribute (default): each sentence cites the shown passage closest in meaning; model: the model's own",
+    )
+    add_grounding_arguments(ask)
+    ask.add_argument("--json", action="store_true", help="print the result with its trace as JSON")
+    ask.set_defaults(handler=_ask)
