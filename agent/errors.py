@@ -16,6 +16,9 @@ from typing import Any
 
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi import ResponseSpec
+
+from agent.api_models import ErrorResponse
 
 logger = logging.getLogger("specrag.server")
 
@@ -130,3 +133,20 @@ EXCEPTION_HANDLERS: dict[type[Exception], Any] = {
     HTTPException: handle_http_exception,
     Exception: handle_unexpected,
 }
+
+# The error responses each route documents in the OpenAPI schema.
+_DESCRIPTIONS = {
+    400: "invalid request: the field at fault is named",
+    401: "missing or wrong bearer key (when the server has one)",
+    404: "unknown trace, or no longer kept",
+    413: "request body too large",
+    503: "too many requests in flight; retry after Retry-After seconds",
+}
+
+
+def documented(*statuses: int) -> dict[int, ResponseSpec]:
+    return {status: ResponseSpec(ErrorResponse, description=_DESCRIPTIONS[status]) for status in statuses}
+
+
+POST_ERRORS = documented(400, 401, 413, 503)
+GET_ERRORS = documented(401)

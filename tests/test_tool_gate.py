@@ -129,7 +129,7 @@ def test_the_http_request_can_turn_the_gate_off() -> None:
     import msgspec
 
     from agent.api_models import AgentRunRequest, ServerLimits
-    from agent.server import _run_options
+    from agent.routes_runs import run_options as _run_options
 
     class _Agent:
         registry = ToolRegistry([add])

@@ -1,0 +1,163 @@
+"""``POST /v1/agent/runs``: the agent loop over HTTP, as JSON or Server-Sent Events.
+
+A stream pulls its first event before the response starts, so an overloaded (503 with
+``Retry-After``) or too-large (400) request still gets a proper status; the loop reports
+its own failures as ``error`` events, which become a 500 (JSON) or an ``error`` event (SSE).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import anyio.to_thread
+from litestar import Controller, Response, post
+from litestar.params import JSONBody
+from litestar.response import ServerSentEvent, ServerSentEventMessage
+
+from agent.api_models import AgentRunRequest, ServerLimits
+from agent.errors import POST_ERRORS, ApiError, invalid, logger
+from agent.loop import default_tools
+from agent.metrics import ServerMetrics
+from agent.served import AgentDep, LimitsDep, MetricsDep, ServedAgent, iterate_in_thread
+
+OVERLOAD_ERRORS = frozenset({"QueueFull", "WorkerStopped"})  # agent error events that mean "retry later"
+TOO_LARGE = "RequestTooLarge"  # an agent error event: a prompt + max_tokens the KV pool could never hold
+
+
+def overloaded(message: str) -> ApiError:
+    return ApiError(503, message, type="overloaded_error", headers={"Retry-After": "1"})
+
+
+class AgentRunController(Controller):
+    path = "/v1/agent/runs"
+
+    @post(
+        "/",
+        status_code=200,
+        summary="Answer a question with the agent loop (SSE with stream)",
+        responses=POST_ERRORS,
+    )
+    async def run(
+        self, agent: AgentDep, limits: LimitsDep, metrics: MetricsDep, data: JSONBody[AgentRunRequest]
+    ) -> Response[Any]:
+        received = time.perf_counter()
+        options = await anyio.to_thread.run_sync(run_options, agent, data, limits)
+        events = iterate_in_thread(agent.stream(data.question, **options))
+        first = await anext(events)
+        if first["event"] == "error" and first["data"].get("type") in {*OVERLOAD_ERRORS, TOO_LARGE}:
+            await events.aclose()
+            raise _refusal(first["data"])
+        if not data.stream:
+            async with aclosing(events):
+                return Response(await _collect_run(agent, metrics, first, events, received))
+        return ServerSentEvent(_run_sse(agent, metrics, first, events, received))
+
+
+def run_options(agent: ServedAgent, body: AgentRunRequest, limits: ServerLimits) -> dict[str, Any]:
+    """RunOptions fields for a request, after the server's limits (each refusal names its field)."""
+    max_tokens = body.max_tokens or min(limits.default_max_tokens, limits.max_tokens_limit)
+    if max_tokens > limits.max_tokens_limit:
+        raise invalid("max_tokens", f"max_tokens must be at most {limits.max_tokens_limit}")
+    max_steps = body.max_steps or min(4, limits.max_steps_limit)
+    if max_steps > limits.max_steps_limit:
+        raise invalid("max_steps", f"max_steps must be at most {limits.max_steps_limit}")
+    known = agent.registry.names
+    tools = default_tools(known) if body.tools is None else body.tools
+    for name in tools:
+        if name not in known:
+            raise invalid("tools", f"unknown tool {name!r}; known tools: {', '.join(known) or '(none)'}")
+    question_tokens = len(agent.model.tokenizer(body.question, add_special_tokens=False)["input_ids"])
+    if question_tokens > limits.max_prompt_tokens:
+        raise invalid(
+            "question",
+            f"the question has {question_tokens} tokens; the limit is {limits.max_prompt_tokens}",
+            code="context_length_exceeded",
+        )
+    return (
+        {
+            "max_steps": max_steps,
+            "max_tokens": max_tokens,
+            "k": body.k,
+            "lookup_k": max(10, body.k),
+            "speculation": body.speculation,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "seed": body.seed,
+            "tools": list(tools),
+            "abstain_threshold": body.abstain_threshold,
+            "citations": body.citations,
+            "grounding": body.grounding,
+            "grounding_judge": body.grounding_judge,
+        }
+        | ({} if body.min_supported is None else {"min_supported": body.min_supported})
+        | ({} if body.citation_min_similarity is None else {"citation_min_similarity": body.citation_min_similarity})
+        | ({} if body.tool_gate else {"min_tool_similarity": None, "min_call_probability": None})
+    )
+
+
+def _observe_event(
+    metrics: ServerMetrics, agent: ServedAgent, event: dict[str, Any], seen_token: bool, received: float
+) -> bool:
+    if event["event"] == "token" and not seen_token:
+        metrics.ttft.labels("agent").observe(time.perf_counter() - received)
+        seen_token = True
+    if event["event"] == "final":
+        metrics.observe_run(event["data"], agent.trace(event["data"]["trace_id"]))
+    return seen_token
+
+
+async def _collect_run(
+    agent: ServedAgent,
+    metrics: ServerMetrics,
+    first: dict[str, Any],
+    events: AsyncIterator[dict[str, Any]],
+    received: float,
+) -> dict[str, Any]:
+    seen_token = False
+    event = first
+    while True:
+        seen_token = _observe_event(metrics, agent, event, seen_token, received)
+        if event["event"] == "final":
+            return event["data"]
+        if event["event"] == "error":
+            error = event["data"]
+            if error.get("type") in {*OVERLOAD_ERRORS, TOO_LARGE}:
+                raise _refusal(error)
+            logger.error("agent run failed: %s: %s", error.get("type"), error.get("message"))
+            raise ApiError(500, "internal error", type="internal_error")
+        event = await anext(events)
+
+
+def _refusal(error: dict[str, Any]) -> ApiError:
+    """An agent error event that is the caller's to act on: busy (503) or too large (400)."""
+    message = str(error.get("message", "the server is busy"))
+    if error.get("type") == TOO_LARGE:
+        return invalid("max_tokens", message, code="context_length_exceeded")
+    return overloaded(message)
+
+
+async def _run_sse(
+    agent: ServedAgent,
+    metrics: ServerMetrics,
+    first: dict[str, Any],
+    events: AsyncIterator[dict[str, Any]],
+    received: float,
+) -> AsyncIterator[ServerSentEventMessage]:
+    """One SSE event per loop event (the loop reports its own failures as ``error`` events)."""
+    seen_token = False
+    async with aclosing(events):
+        event: dict[str, Any] | None = first
+        try:
+            while event is not None:
+                seen_token = _observe_event(metrics, agent, event, seen_token, received)
+                yield ServerSentEventMessage(data=json.dumps(event["data"]), event=event["event"])
+                event = await anext(events, None)
+        except Exception:  # the status is sent already: report it in the stream
+            logger.exception("agent run stream failed")
+            yield ServerSentEventMessage(
+                data=json.dumps({"type": "internal_error", "message": "internal error"}), event="error"
+            )
