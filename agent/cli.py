@@ -23,6 +23,7 @@ import json
 import os
 import sys
 from dataclasses import asdict
+from importlib.metadata import entry_points
 from typing import Any
 
 
@@ -145,11 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--json", action="store_true", help="print the result as JSON")
     pull.set_defaults(handler=_pull)
 
-    bench = commands.add_parser("bench", help="benchmarks (see evals/)")
-    bench.add_argument("suite", choices=["decode", "lookup", "serve"])
-    bench.add_argument("options", nargs=argparse.REMAINDER, help="passed to the benchmark; try `-- --help`")
-    bench.set_defaults(handler=_bench)
-
     demo = commands.add_parser("demo", help="stream a speculative RAG answer over the sample corpus")
     demo.add_argument("--model", default="smollm2-135m", help="pack name, HF folder or .gguf path")
     demo.add_argument("--dtype", default="auto")
@@ -164,48 +160,16 @@ def build_parser() -> argparse.ArgumentParser:
     from agent.cli_agent import add_agent_commands
 
     add_agent_commands(commands)
-    _add_eval_commands(commands)
+    _add_plugin_commands(commands)
     return parser
 
 
-def _add_eval_commands(commands: Any) -> None:
-    from evals.run import add_arguments
-
-    evaluate = commands.add_parser("eval", help="evaluations of the agent (see evals/)")
-    suites = evaluate.add_subparsers(dest="suite", required=True)
-    grounded = suites.add_parser(
-        "groundedness", help="answer the groundedness set; score support, citations, correctness, speculation"
-    )
-    add_arguments(grounded)
-    grounded.set_defaults(handler=_eval_groundedness)
-    from evals.tool_eval import add_arguments as add_tool_arguments
-
-    tools = suites.add_parser("tools", help="the tool-use eval: tool selection, arguments, answers (report)")
-    add_tool_arguments(tools)
-    tools.set_defaults(handler=_eval_tools)
-
-
-def _eval_groundedness(args: argparse.Namespace) -> int:
-    from evals.run import run
-
-    return run(args, command=" ".join(["specrag", *sys.argv[1:]]))
-
-
-def _eval_tools(args: argparse.Namespace) -> int:
-    from evals.tool_eval import run
-
-    return run(args, command=" ".join(["specrag", *sys.argv[1:]]))
-
-
-def _bench(args: argparse.Namespace) -> int:
-    options = [option for option in args.options if option != "--"]
-    if args.suite == "decode":
-        from evals.bench_decode import main as bench_main
-    elif args.suite == "serve":
-        from evals.bench_serve import main as bench_main
-    else:
-        from evals.bench_lookup import main as bench_main
-    return bench_main(options)
+def _add_plugin_commands(commands: Any) -> None:
+    """Commands other packages register under the ``specrag.commands`` entry point group
+    (``specrag eval`` and ``specrag bench`` come from ``evals``, pyproject.toml): the
+    product's CLI does not import its own eval harness, the harness plugs into it."""
+    for entry in sorted(entry_points(group="specrag.commands"), key=lambda entry: entry.name):
+        entry.load()(commands)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,9 +12,9 @@ import sys
 import time
 from typing import Any
 
+from agent.sample_prompts import PromptCase, encode_case
 from decoding import Engine, GenerationRequest, GenerationStats
 from decoding.model import CausalLM, load_model
-from evals.prompts import PromptCase, encode_case
 
 
 def stream_answer(
