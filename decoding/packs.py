@@ -257,11 +257,25 @@ def publish_folder(out_dir: Path, write: Callable[[Path], object], marker: dict[
         (staging / MARKER).write_text(json.dumps(marker, indent=2))
         staging.chmod(0o755)  # mkdtemp makes it private; the cache is readable like any other
         if out_dir.exists():
-            shutil.rmtree(out_dir)
-        staging.rename(out_dir)
+            shutil.rmtree(out_dir)  # a half-finished or tampered copy: its marker was not accepted
+        try:
+            staging.rename(out_dir)
+        except OSError:
+            if not (out_dir / MARKER).is_file():  # another process published it first: theirs stands
+                raise
+            shutil.rmtree(staging, ignore_errors=True)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file, read in 4 MiB blocks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def gguf_cache_dir(gguf_path: Path) -> Path:

