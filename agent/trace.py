@@ -39,6 +39,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from decoding.stats import CYCLE_STAGES
+
 logger = logging.getLogger(__name__)
 
 ROOT_SPAN_NAME = "invoke_agent specrag"
@@ -81,6 +83,7 @@ class SpeculationCycle:
     committed: int
     duration_s: float | None = None  # None: the sum of the stage seconds below
     source: str | None = None  # the drafter that proposed
+    # One field per decoding.stats.CYCLE_STAGES, in its order (tests/test_trace.py holds them equal).
     draft_s: float = 0.0
     verify_s: float = 0.0
     accept_s: float = 0.0
@@ -98,13 +101,13 @@ class SpeculationCycle:
             committed,
             (info.end_ns - info.start_ns) / 1e9,
             info.source,
-            *(float(stage.get(k, 0.0)) for k in ("draft", "verify", "accept", "grammar", "rollback")),
+            *(float(stage.get(name, 0.0)) for name in CYCLE_STAGES),
         )
 
     def attributes(self) -> dict[str, Any]:
         attrs = {k: v for k, v in asdict(self).items() if k != "start_ns" and v is not None}
         if self.duration_s is None:
-            attrs["duration_s"] = self.draft_s + self.verify_s + self.accept_s + self.grammar_s + self.rollback_s
+            attrs["duration_s"] = sum(getattr(self, f"{name}_s") for name in CYCLE_STAGES)
         return attrs
 
 

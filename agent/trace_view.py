@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from agent.trace import CYCLE_EVENT, stage_durations
+from decoding.stats import CYCLE_STAGES
 
 LABEL_W = 380  # px for the indented span names and their durations
 BAR_W = 820  # px for the time axis
@@ -123,7 +124,7 @@ def _cycles(span: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 def _cycle_ns(attrs: Mapping[str, Any]) -> int:
     if attrs.get("duration_s") is not None:
         return int(float(attrs["duration_s"]) * 1e9)
-    seconds = sum(float(attrs.get(k, 0) or 0) for k in ("draft_s", "verify_s", "accept_s", "grammar_s", "rollback_s"))
+    seconds = sum(float(attrs.get(f"{name}_s", 0) or 0) for name in CYCLE_STAGES)
     return int(seconds * 1e9)
 
 

@@ -9,7 +9,10 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-STAGES = ("prefill", "decode", "draft", "verify", "accept", "grammar", "rollback")
+# A speculation cycle's stages; with a prompt's prefill and plain decode steps, every stage
+# a generation's seconds are booked to. The trace's SpeculationCycle has one field per cycle stage.
+CYCLE_STAGES = ("draft", "verify", "accept", "grammar", "rollback")
+STAGES = ("prefill", "decode", *CYCLE_STAGES)
 
 
 @dataclass(frozen=True)

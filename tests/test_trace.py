@@ -371,3 +371,12 @@ def test_otel_export_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch)
         monkeypatch.setitem(sys.modules, name, None)  # makes `import` raise ImportError
     with pytest.raises(ImportError, match=r"specrag\[otel\]"):
         export_to_otel(realistic_trace().to_dict())
+
+
+def test_a_cycle_records_every_engine_cycle_stage_and_nothing_else() -> None:
+    from dataclasses import fields
+
+    from decoding.stats import CYCLE_STAGES
+
+    stage_fields = [field.name for field in fields(SpeculationCycle) if field.name.endswith("_s")]
+    assert stage_fields == ["duration_s", *(f"{name}_s" for name in CYCLE_STAGES)]
