@@ -177,7 +177,13 @@ class AgentLoop(FirstStepProbes, AnswerChecks):
             logger.exception("agent run %s failed", run.run_id)
             trace.root.record_exception(error)
             trace.finish()
-            yield {"event": "error", "data": {"type": type(error).__name__, "message": str(error)}}
+            # "data" is what clients see; "exception" is the error itself, for the server to
+            # tell a busy worker or a too-large request from a failure by type, not by name.
+            yield {
+                "event": "error",
+                "data": {"type": type(error).__name__, "message": str(error)},
+                "exception": error,
+            }
 
     def _steps(self, run: RunState) -> Iterator[AgentEvent] | Any:  # a generator returning the answer
         """Generate, run the tools called, repeat, until the model answers in text."""

@@ -23,9 +23,12 @@ from agent.errors import POST_ERRORS, ApiError, invalid, logger
 from agent.loop import default_tools
 from agent.metrics import ServerMetrics
 from agent.served import AgentDep, LimitsDep, MetricsDep, ServedAgent, iterate_in_thread
+from agent.worker import QueueFull, WorkerStopped
+from decoding.kv_manager import RequestTooLarge
 
-OVERLOAD_ERRORS = frozenset({"QueueFull", "WorkerStopped"})  # agent error events that mean "retry later"
-TOO_LARGE = "RequestTooLarge"  # an agent error event: a prompt + max_tokens the KV pool could never hold
+# Failures of a run that are the caller's to act on, as the exceptions the loop's error
+# event carries: busy (503, retry later) or a prompt + max_tokens the KV pool could never hold (400).
+OVERLOADED = (QueueFull, WorkerStopped)
 
 
 def overloaded(message: str) -> ApiError:
@@ -48,9 +51,10 @@ class AgentRunController(Controller):
         options = await anyio.to_thread.run_sync(run_options, agent, data, limits)
         events = iterate_in_thread(agent.stream(data.question, **options))
         first = await anext(events)
-        if first["event"] == "error" and first["data"].get("type") in {*OVERLOAD_ERRORS, TOO_LARGE}:
+        refusal = _refusal(first)
+        if refusal is not None:
             await events.aclose()
-            raise _refusal(first["data"])
+            raise refusal
         if not data.stream:
             async with aclosing(events):
                 return Response(await _collect_run(agent, metrics, first, events, received))
@@ -124,20 +128,23 @@ async def _collect_run(
         if event["event"] == "final":
             return event["data"]
         if event["event"] == "error":
+            refusal = _refusal(event)
+            if refusal is not None:
+                raise refusal
             error = event["data"]
-            if error.get("type") in {*OVERLOAD_ERRORS, TOO_LARGE}:
-                raise _refusal(error)
             logger.error("agent run failed: %s: %s", error.get("type"), error.get("message"))
             raise ApiError(500, "internal error", type="internal_error")
         event = await anext(events)
 
 
-def _refusal(error: dict[str, Any]) -> ApiError:
-    """An agent error event that is the caller's to act on: busy (503) or too large (400)."""
-    message = str(error.get("message", "the server is busy"))
-    if error.get("type") == TOO_LARGE:
-        return invalid("max_tokens", message, code="context_length_exceeded")
-    return overloaded(message)
+def _refusal(event: dict[str, Any]) -> ApiError | None:
+    """The 503 or 400 for an error event whose exception is the caller's to act on, else None."""
+    exception = event.get("exception") if event["event"] == "error" else None
+    if isinstance(exception, RequestTooLarge):
+        return invalid("max_tokens", str(exception), code="context_length_exceeded")
+    if isinstance(exception, OVERLOADED):
+        return overloaded(str(exception))
+    return None
 
 
 async def _run_sse(
