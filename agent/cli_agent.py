@@ -84,18 +84,17 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _ask(args: argparse.Namespace) -> int:
+    from agent.run_state import RunOptions
     from agent.trace import stage_durations
 
     agent = _started(args, concurrent=False, progress=not args.json)
     if agent is None:
         return 2
-    options: dict[str, Any] = {"speculation": args.speculation, "max_tokens": args.max_tokens, "k": args.k}
+    fields: dict[str, Any] = {"speculation": args.speculation, "max_tokens": args.max_tokens, "k": args.k}
     if args.max_steps is not None:
-        options["max_steps"] = args.max_steps
-    if args.abstain_threshold is not None:
-        options["abstain_threshold"] = args.abstain_threshold
-    options |= {"citations": args.citations, **grounding_options(args)}
-    result = agent.run(args.question, **options)
+        fields["max_steps"] = args.max_steps
+    fields |= {"abstain_threshold": args.abstain_threshold, "citations": args.citations, **grounding_options(args)}
+    result = agent.run(args.question, RunOptions(**fields))
     trace = agent.trace(result["trace_id"])
     if args.json:
         print(json.dumps({**result, "trace": trace}, indent=2))

@@ -22,6 +22,7 @@ from agent.api_models import AgentRunRequest, ServerLimits
 from agent.errors import POST_ERRORS, ApiError, invalid, logger
 from agent.loop import default_tools
 from agent.metrics import ServerMetrics
+from agent.run_state import RunOptions
 from agent.served import AgentDep, LimitsDep, MetricsDep, ServedAgent, iterate_in_thread
 from agent.worker import QueueFull, WorkerStopped
 from decoding.kv_manager import RequestTooLarge
@@ -49,7 +50,7 @@ class AgentRunController(Controller):
     ) -> Response[Any]:
         received = time.perf_counter()
         options = await anyio.to_thread.run_sync(run_options, agent, data, limits)
-        events = iterate_in_thread(agent.stream(data.question, **options))
+        events = iterate_in_thread(agent.stream(data.question, options))
         first = await anext(events)
         refusal = _refusal(first)
         if refusal is not None:
@@ -61,8 +62,8 @@ class AgentRunController(Controller):
         return ServerSentEvent(_run_sse(agent, metrics, first, events, received))
 
 
-def run_options(agent: ServedAgent, body: AgentRunRequest, limits: ServerLimits) -> dict[str, Any]:
-    """RunOptions fields for a request, after the server's limits (each refusal names its field)."""
+def run_options(agent: ServedAgent, body: AgentRunRequest, limits: ServerLimits) -> RunOptions:
+    """A request's RunOptions, after the server's limits (each refusal names its field)."""
     max_tokens = body.max_tokens or min(limits.default_max_tokens, limits.max_tokens_limit)
     if max_tokens > limits.max_tokens_limit:
         raise invalid("max_tokens", f"max_tokens must be at most {limits.max_tokens_limit}")
@@ -81,26 +82,28 @@ def run_options(agent: ServedAgent, body: AgentRunRequest, limits: ServerLimits)
             f"the question has {question_tokens} tokens; the limit is {limits.max_prompt_tokens}",
             code="context_length_exceeded",
         )
-    return (
-        {
-            "max_steps": max_steps,
-            "max_tokens": max_tokens,
-            "k": body.k,
-            "lookup_k": max(10, body.k),
-            "speculation": body.speculation,
-            "temperature": body.temperature,
-            "top_p": body.top_p,
-            "seed": body.seed,
-            "tools": list(tools),
-            "abstain_threshold": body.abstain_threshold,
-            "citations": body.citations,
-            "grounding": body.grounding,
-            "grounding_judge": body.grounding_judge,
-        }
-        | ({} if body.min_supported is None else {"min_supported": body.min_supported})
-        | ({} if body.citation_min_similarity is None else {"citation_min_similarity": body.citation_min_similarity})
-        | ({} if body.tool_gate else {"min_tool_similarity": None, "min_call_probability": None})
-    )
+    fields: dict[str, Any] = {
+        "max_steps": max_steps,
+        "max_tokens": max_tokens,
+        "k": body.k,
+        "lookup_k": max(10, body.k),
+        "speculation": body.speculation,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "seed": body.seed,
+        "tools": list(tools),
+        "abstain_threshold": body.abstain_threshold,
+        "citations": body.citations,
+        "grounding": body.grounding,
+        "grounding_judge": body.grounding_judge,
+    }
+    if body.min_supported is not None:
+        fields["min_supported"] = body.min_supported
+    if body.citation_min_similarity is not None:
+        fields["citation_min_similarity"] = body.citation_min_similarity
+    if not body.tool_gate:
+        fields |= {"min_tool_similarity": None, "min_call_probability": None}
+    return RunOptions(**fields)
 
 
 def _observe_event(

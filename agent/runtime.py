@@ -10,6 +10,7 @@ from many threads interleave cycle by cycle, as the HTTP server needs.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -79,13 +80,17 @@ class Agent:
         """How the model writes tool calls (its chat template's format, or bare JSON)."""
         return self.loop.call_format
 
-    def run(self, question: str, **options: Any) -> dict[str, Any]:
-        """Run to the final answer: ``{run_id, answer, citations, steps, usage, speculation, trace_id}``."""
-        return self.loop.run(question, RunOptions(**options))
+    def run(self, question: str, options: RunOptions | None = None, **overrides: Any) -> dict[str, Any]:
+        """Run to the final answer: ``{run_id, answer, citations, steps, usage, speculation, trace_id}``.
 
-    def stream(self, question: str, **options: Any) -> Iterator[AgentEvent]:
+        ``options`` (the one ``RunOptions`` type the HTTP API, the CLI and the evals build too),
+        with ``overrides`` of its fields: ``agent.run(q, max_tokens=64)`` or ``agent.run(q, opts)``.
+        """
+        return self.loop.run(question, resolve_options(options, overrides))
+
+    def stream(self, question: str, options: RunOptions | None = None, **overrides: Any) -> Iterator[AgentEvent]:
         """The run as events: ``token``, ``tool_call``, ``tool_result``, ``final`` or ``error``."""
-        return self.loop.events(question, RunOptions(**options))
+        return self.loop.events(question, resolve_options(options, overrides))
 
     def trace(self, trace_id: str) -> dict[str, Any] | None:
         store = self.tracer.store
@@ -119,3 +124,8 @@ def _open_index(index: str | os.PathLike[str] | Any) -> Any:
     from retrieval import Retriever
 
     return Retriever.open(Path(index).expanduser())
+
+
+def resolve_options(options: RunOptions | None, overrides: dict[str, Any]) -> RunOptions:
+    """``options`` (default ``RunOptions()``) with ``overrides`` of its fields, validated again."""
+    return dataclasses.replace(options or RunOptions(), **overrides)

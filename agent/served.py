@@ -17,6 +17,7 @@ from litestar.di import NamedDependency
 from agent.api_models import ServerLimits
 from agent.loop import AgentEvent
 from agent.metrics import ServerMetrics
+from agent.run_state import RunOptions
 from agent.trace import Tracer
 from decoding.model import CausalLM
 from tools import ToolRegistry
@@ -32,7 +33,7 @@ class ServedAgent(Protocol):
     tracer: Tracer
     engine: Any
 
-    def stream(self, question: str, **options: Any) -> Iterator[AgentEvent]: ...
+    def stream(self, question: str, options: RunOptions | None = None, **overrides: Any) -> Iterator[AgentEvent]: ...
 
     def trace(self, trace_id: str) -> dict[str, Any] | None: ...
 

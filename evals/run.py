@@ -17,6 +17,7 @@ Exit status 1 when --min-groundedness is given and missed (a CI gate); 2 for bad
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
@@ -27,6 +28,7 @@ from typing import Any
 
 from agent.cli_options import add_grounding_arguments, grounding_options, probability
 from agent.grounding import GroundednessScorer
+from agent.run_state import RunOptions
 from evals.abstention import split
 from evals.eval_metrics import answer_scores, compare_passes, record, summarize
 from evals.eval_report import render_markdown, write_plots
@@ -246,7 +248,7 @@ def _run_all(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     from tqdm import tqdm
 
-    options = {
+    fields: dict[str, Any] = {
         "k": args.k,
         "max_steps": args.max_steps,
         "max_tokens": args.max_tokens,
@@ -257,18 +259,19 @@ def _run_all(
         **grounding_options(args),
     }
     if args.citation_min_similarity is not None:
-        options["citation_min_similarity"] = args.citation_min_similarity
+        fields["citation_min_similarity"] = args.citation_min_similarity
+    options = RunOptions(**fields)
     on: list[dict[str, Any]] = []
     off: list[dict[str, Any]] = []
     bar = tqdm(items, desc="eval groundedness", unit="q", disable=args.no_progress, file=sys.stderr)
     for item in bar:
         if args.compare_off and not args.shared_prefix_cache:
             _clear_prefix_caches(agent)
-        on.append(_answer(agent, scorer, item, {**options, "speculation": args.speculation}))
+        on.append(_answer(agent, scorer, item, dataclasses.replace(options, speculation=args.speculation)))
         if args.compare_off:
             if not args.shared_prefix_cache:
                 _clear_prefix_caches(agent)
-            off.append(_answer(agent, scorer, item, {**options, "speculation": "off"}))
+            off.append(_answer(agent, scorer, item, dataclasses.replace(options, speculation="off")))
         scores = [r["groundedness"] for r in on if r["groundedness"] is not None]
         bar.set_postfix(groundedness=f"{sum(scores) / len(scores):.2f}" if scores else "n/a")
     return on, off
@@ -280,10 +283,8 @@ def _clear_prefix_caches(agent: Any) -> None:
             cache.clear()
 
 
-def _answer(
-    agent: Any, scorer: GroundednessScorer, item: Mapping[str, Any], options: Mapping[str, Any]
-) -> dict[str, Any]:
-    result = agent.run(item["question"], **options)
+def _answer(agent: Any, scorer: GroundednessScorer, item: Mapping[str, Any], options: RunOptions) -> dict[str, Any]:
+    result = agent.run(item["question"], options)
     return record(item, result, agent.trace(result["trace_id"]), scorer)
 
 

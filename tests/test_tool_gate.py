@@ -137,8 +137,6 @@ def test_the_http_request_can_turn_the_gate_off() -> None:
 
     off = msgspec.convert({"question": "q", "tool_gate": False}, AgentRunRequest)
     on = msgspec.convert({"question": "q"}, AgentRunRequest)
-    options_off, options_on = (
-        RunOptions(**_run_options(_Agent(), body, ServerLimits(max_prompt_tokens=4096))) for body in (off, on)
-    )
+    options_off, options_on = (_run_options(_Agent(), body, ServerLimits(max_prompt_tokens=4096)) for body in (off, on))
     assert options_off.min_tool_similarity is None and options_off.min_call_probability is None
     assert options_on.min_tool_similarity == 0.18 and options_on.min_call_probability == 0.75
