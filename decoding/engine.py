@@ -325,7 +325,7 @@ class Engine:
     ) -> tuple[Decision, Draft | None]:
         """What one drafter would verify this cycle. A free drafter (prompt lookup) proposes
         right away; a costly one (a model) is judged on its estimates before drafting."""
-        if isinstance(drafter, ModelDrafter):
+        if drafter.costly:
             choice = seq.policy.for_costly_drafter(
                 MODEL_SOURCE,
                 cap,
@@ -355,7 +355,7 @@ class Engine:
     ) -> Generator[ForwardNeed, torch.Tensor, Draft]:
         """A model drafter's proposal, each of its forwards yielded to the step, which
         answers those of all sequences drafting at once (``StepBatch``: lockstep)."""
-        assert isinstance(drafter, ModelDrafter)
+        assert isinstance(drafter, ModelDrafter)  # the one costly drafter: it drafts in lockstep
         with seq.stats.timed("draft"):
             start = time.perf_counter()
             steps = drafter.drafting(seq.tokens, gamma)

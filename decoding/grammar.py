@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import xgrammar as xgr
 
-from decoding.drafters.base import Draft
+from decoding.drafters.base import Draft, FreeDrafter
 
 FORCED_SOURCE = "grammar"
 _BITS = torch.arange(32, dtype=torch.int32)
@@ -210,7 +210,7 @@ class _DraftMask:
         return mask_logits(logits, self._bitmask[0])
 
 
-class GrammarForcedDrafter:
+class GrammarForcedDrafter(FreeDrafter):
     """Proposes what the grammar forces (q = 1): free drafts the target verifies."""
 
     def __init__(self, state: GrammarState) -> None:

@@ -45,8 +45,8 @@ class SequenceState:
         return len(self.tokens) - self.stats.prompt_tokens
 
     def draft_kvs(self) -> list[SequenceKV]:
-        """The caches of its model drafters."""
-        return [drafter.kv for drafter in self.drafters if isinstance(drafter, ModelDrafter)]
+        """The caches of its drafters that keep one (model drafters)."""
+        return [drafter.kv for drafter in self.drafters if drafter.kv is not None]
 
     def release_kv(self) -> None:
         """Give the KV blocks back (finished, failed or cancelled)."""
@@ -89,7 +89,7 @@ class SequenceState:
                 f"expected the {len(committed_but_pending)} committed tokens before the pending one"
             )
         for drafter in self.drafters:
-            if isinstance(drafter, ModelDrafter) and not drafter.cache_matches(self.tokens):
+            if not drafter.cache_matches(self.tokens):
                 raise AssertionError(f"seq {self.seq_id}: draft cache is not a prefix of the committed tokens")
 
 

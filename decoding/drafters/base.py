@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from decoding.kv import SequenceKV
 
 
 @dataclass
@@ -30,6 +33,21 @@ class Draft:
 
 
 class Drafter(Protocol):
+    """What proposes draft tokens, and what it costs.
+
+    ``costly``: each proposed token costs a forward of its own (a draft model). The policy
+    judges such a drafter on its estimates before asking it to draft, and the engine runs its
+    forwards in the step's lockstep (``drafting``); a free drafter (prompt lookup, the
+    grammar's forced tokens) proposes right away. ``kv``: the drafter's own cache, which the
+    sequence releases with its own, or None; ``cache_matches`` says whether it is in step
+    with the committed tokens (always, for a drafter without a cache).
+    """
+
+    costly: bool
+    kv: SequenceKV | None
+
+    def cache_matches(self, context: Sequence[int]) -> bool: ...
+
     def propose(self, context: Sequence[int], max_tokens: int) -> Draft:
         """Up to ``max_tokens`` candidates continuing ``context`` (all committed tokens)."""
         ...
@@ -37,3 +55,13 @@ class Drafter(Protocol):
     def on_commit(self, committed: Sequence[int], accepted_len: int) -> None:
         """The tokens committed this cycle (accepted prefix + one target token)."""
         ...
+
+
+class FreeDrafter:
+    """The cost side of the protocol for a drafter whose proposals cost no forward."""
+
+    costly = False
+    kv: SequenceKV | None = None
+
+    def cache_matches(self, context: Sequence[int]) -> bool:
+        return True

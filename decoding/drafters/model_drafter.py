@@ -22,6 +22,8 @@ SOURCE = "draft_model"
 
 
 class ModelDrafter:
+    costly = True  # a forward of the draft model per proposed token
+
     def __init__(
         self,
         model: CausalLM,

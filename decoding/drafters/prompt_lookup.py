@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from decoding.drafters.base import Draft
+from decoding.drafters.base import Draft, FreeDrafter
 
 OUTPUT = "output"
 PROMPT = "prompt"
 NO_MATCH = "none"
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(FreeDrafter):
     def __init__(
         self,
         prompt: Sequence[int],
