@@ -7,6 +7,9 @@ import json
 import socket
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -27,6 +30,45 @@ QUICK = ["--max-steps", "1", "--speculation", "on"]  # "auto" would calibrate th
 def specrag(*args: str) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "agent.cli", *args]
     return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=False, timeout=600)
+
+
+@contextmanager
+def serving(*args: str) -> Iterator[str]:
+    """``specrag serve *args`` on a free local port, once /healthz answers; yields its base URL.
+
+    The server is always terminated. Its stderr goes to a file rather than a pipe nobody reads
+    while it runs (a full pipe would stall the server's logging); a failure in the block or in
+    the start carries that log's tail as a note, so a crash shows why.
+    """
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "agent.cli", "serve", *args, "--port", str(port)]
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile() as log:
+        server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log)
+
+        def healthy() -> bool:
+            try:
+                return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return server.poll() is not None  # stop waiting if it died
+
+        def stop() -> None:
+            server.terminate()
+            server.wait(timeout=30)
+
+        try:
+            started = wait_until(healthy, timeout=300, interval=0.5) and server.poll() is None
+            assert started, f"specrag serve did not become healthy (exit code {server.poll()})"
+            yield url
+        except BaseException as error:  # pytest's failures are BaseExceptions too
+            stop()  # first, so the log is complete and nothing writes to it while it is read
+            log.seek(0)
+            error.add_note("specrag serve's stderr (tail):\n" + log.read().decode(errors="replace")[-4000:])
+            raise
+        finally:
+            stop()
 
 
 @pytest.fixture(scope="module")
@@ -60,27 +102,10 @@ def test_ask_json_carries_the_result_and_its_trace(index_dir: str, capsys: pytes
 
 
 def test_serve_runs_the_api_under_uvicorn(index_dir: str) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "agent.cli", "serve", *MODEL, "--index", index_dir, "--port", str(port)]
-    server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        try:
-            return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return server.poll() is not None  # stop waiting if it died
-
-    try:
-        assert wait_until(healthy, timeout=300, interval=0.5) and server.poll() is None, server.stderr
+    with serving(*MODEL, "--index", index_dir) as url:
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "smollm2-135m"
         chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
         assert httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=120).status_code == 200
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 def test_the_sample_index_is_built_once_then_reused(
@@ -103,23 +128,9 @@ def test_the_sample_index_is_built_once_then_reused(
 @pytest.mark.slow
 def test_serve_serves_the_users_tool_from_a_file() -> None:
     """The quick start's path: a tool in a file, ``specrag serve --tools``, a run that calls it."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     tools = ["--tools", "examples/custom_tool.py:convert_temperature"]
     model = ["--model", "qwen2.5-coder-0.5b", "--dtype", "float32"]  # smollm2 does not call tools
-    command = [sys.executable, "-m", "agent.cli", "serve", *model, *tools, "--no-index", "--port", str(port)]
-    server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        try:
-            return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return server.poll() is not None
-
-    try:
-        assert wait_until(healthy, timeout=300, interval=0.5) and server.poll() is None, server.stderr
+    with serving(*model, *tools, "--no-index") as url:
         question = {"question": "What is 21 degrees Celsius in Fahrenheit?", "max_tokens": 64, "max_steps": 3}
         run = httpx.post(f"{url}/v1/agent/runs", json=question, timeout=600).json()
         calls = [step["tool_call"] for step in run["steps"] if step["kind"] == "tool_call"]
@@ -127,6 +138,3 @@ def test_serve_serves_the_users_tool_from_a_file() -> None:
         assert "69.8" in run["answer"], run["answer"]
         trace = httpx.get(f"{url}/v1/traces/{run['trace_id']}").json()
         assert "execute_tool convert_temperature" in [span["name"] for span in trace["spans"]]
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
