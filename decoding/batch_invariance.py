@@ -70,7 +70,7 @@ class LinearSetting:
     onednn: bool = False
 
 
-_SETTING_BY_SHAPE: dict[tuple[int, int, torch.dtype], LinearSetting | None] = {}
+_SETTING_BY_SHAPE: dict[tuple[int, int, torch.dtype, str], LinearSetting | None] = {}
 
 
 def linear_rows_are_exact(layer: SkinnyLinear, generator: torch.Generator) -> bool:
@@ -78,7 +78,7 @@ def linear_rows_are_exact(layer: SkinnyLinear, generator: torch.Generator) -> bo
     computes a single row: padded to two when ``min_rows`` is 2), bitwise?"""
     in_features = layer.weight.shape[1]
     for rows in PROBE_ROWS:
-        x = torch.randn(rows, in_features, generator=generator).to(layer.weight.dtype)
+        x = torch.randn(rows, in_features, generator=generator).to(layer.weight.device, layer.weight.dtype)
         together = layer(x)
         one_by_one = torch.cat([layer(x[row : row + 1]) for row in range(rows)])
         if not torch.equal(together, one_by_one):
@@ -129,7 +129,7 @@ def make_linears_row_exact(model: torch.nn.Module) -> bool:
     """Give every SkinnyLinear the setting that makes it row-exact; False if one has none."""
     layers = [module for module in model.modules() if isinstance(module, SkinnyLinear)]
     for layer in layers:
-        key = (*layer.weight.shape, layer.weight.dtype)
+        key = (*layer.weight.shape, layer.weight.dtype, layer.weight.device.type)
         if key not in _SETTING_BY_SHAPE:  # the kernel's order depends on shape, not values
             _SETTING_BY_SHAPE[key] = find_row_exact_setting(layer)
         setting = _SETTING_BY_SHAPE[key]
@@ -187,7 +187,7 @@ def enable_row_exact(lm: CausalLM) -> bool:
     near-tie rule, ``decoding/numerics.py``), and the canonical attention that removes the
     difference cost smollm2's float32 one-token step 5% at 400 positions and 24% at 1,500.
     """
-    if lm.device.type != "cpu" or not uses_specrag_attention(lm.model):
+    if not uses_specrag_attention(lm.model):
         return False
     if not make_linears_row_exact(lm.model):
         return False
