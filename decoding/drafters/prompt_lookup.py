@@ -10,6 +10,9 @@ Match preference, longest n first; for equal n: the output so far (a repeat of w
 model is writing), then the passages in the order given (so accepted tokens are
 attributed to a passage even when the prompt holds the same text), then the prompt.
 Within the stream the most recent occurrence wins; across passages the first one.
+
+Drafts copy with the edits the model has been seen to make to the text it copies
+(``decoding/drafters/edits.py``: a renamed identifier is drafted renamed).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from decoding.drafters.base import Draft, FreeDrafter
+from decoding.drafters.edits import EditTracker
 
 OUTPUT = "output"
 PROMPT = "prompt"
@@ -47,6 +51,7 @@ class PromptLookupDrafter(FreeDrafter):
         self._stream_index: dict[tuple[int, ...], int] = {}
         # n-gram -> (passage index, start of its continuation) (first occurrence)
         self._passage_index: dict[tuple[int, ...], tuple[int, int]] = {}
+        self._edits = EditTracker()
         for passage_id, passage in enumerate(self._passages):
             for position in range(1, len(passage)):
                 for key in self._ngrams_ending_before(passage, position):
@@ -55,29 +60,37 @@ class PromptLookupDrafter(FreeDrafter):
 
     def propose(self, context: Sequence[int], max_tokens: int) -> Draft:
         self._extend(context[len(self._stream) :])
+        self._edits.discard_proposal()
         if max_tokens <= 0:
             return Draft([], None, NO_MATCH)
+        contexts = [context, *self._edits.alternate_contexts(context)]
         for ngram in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
-            tokens, source = self._lookup(tuple(context[-ngram:]), max_tokens)
-            if tokens:
-                return Draft(tokens, None, source, ngram)
+            for looked_up in contexts:
+                hit = self._lookup(tuple(looked_up[-ngram:]))
+                if hit is not None:
+                    sequence, start, source = hit
+                    tokens = self._edits.copy(sequence, start, max_tokens)
+                    if tokens:
+                        return Draft(tokens, None, source, ngram)
         return Draft([], None, NO_MATCH)
 
     def on_commit(self, committed: Sequence[int], accepted_len: int) -> None:
-        """Nothing to undo: the stream is indexed from the context at the next proposal,
-        and the engine attributes accepted tokens to ``Draft.source``."""
+        """The stream is indexed from the context at the next proposal, and the engine
+        attributes accepted tokens to ``Draft.source``; the edit tracker compares."""
+        self._edits.observe(committed)
 
-    def _lookup(self, key: tuple[int, ...], max_tokens: int) -> tuple[list[int], str]:
+    def _lookup(self, key: tuple[int, ...]) -> tuple[list[int], int, str] | None:
+        """The sequence whose continuation of ``key`` is preferred, where it starts, its name."""
         stream_start = self._stream_index.get(key)
         if stream_start is not None and stream_start >= self._prompt_len:
-            return self._stream[stream_start : stream_start + max_tokens], OUTPUT
+            return self._stream, stream_start, OUTPUT
         passage_hit = self._passage_index.get(key)
         if passage_hit is not None:
             passage_id, start = passage_hit
-            return self._passages[passage_id][start : start + max_tokens], self._passage_names[passage_id]
+            return self._passages[passage_id], start, self._passage_names[passage_id]
         if stream_start is not None:
-            return self._stream[stream_start : stream_start + max_tokens], PROMPT
-        return [], NO_MATCH
+            return self._stream, stream_start, PROMPT
+        return None
 
     def _extend(self, new_tokens: Sequence[int]) -> None:
         """Index the n-grams that the appended tokens give a continuation to."""
