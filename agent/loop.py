@@ -39,7 +39,6 @@ whole result) and ``error``. A run leaves one trace (``agent/trace.py``).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -47,7 +46,6 @@ from typing import Any
 from agent.answerability import ABSTENTION, AnswerTokens
 from agent.attribution import Attributor
 from agent.call_rules import (
-    SEARCH_TOOL,
     canonical_call,
     default_tools,
     first_time,
@@ -57,7 +55,7 @@ from agent.call_rules import (
 )
 from agent.loop_checks import AnswerChecks
 from agent.loop_probes import FirstStepProbes
-from agent.prompt import PromptParts, format_passage, passage_label, prompt_ids
+from agent.prompt import PromptParts, passage_label, prompt_ids
 from agent.repeat_deviation import TRIES, BanAt, MarginRecorder, deviations
 from agent.results import ShownPassage, record_chat, step_record, tool_result_dict
 from agent.run_state import RunOptions, RunState
@@ -70,13 +68,11 @@ from decoding.sampling import SamplingParams
 from decoding.stats import GenerationStats
 from retrieval.reflow import lookup_texts
 from tools import (
-    InvalidArgumentsError,
     ToolCall,
-    ToolError,
     ToolRegistry,
     ToolResult,
     run_tool_sync,
-    validate_call,
+    search_scope,
 )
 from tools.formats import CallFormat, format_for
 
@@ -363,25 +359,12 @@ class AgentLoop(FirstStepProbes, AnswerChecks):
 
     def _execute(self, run: RunState, call: ToolCall) -> ToolResult:
         with run.trace.span(f"execute_tool {call.name}", {"gen_ai.tool.name": call.name}) as span:
-            if call.name == SEARCH_TOOL and self.retriever is not None:
-                result = self._search_tool(run, call)
-            else:
+            with search_scope(_RunSearcher(self, run) if self.retriever is not None else None):
                 result = run_tool_sync(self.registry, call.name, call.arguments)
             span.set_attribute("status", "ok" if result.ok else result.error.type if result.error else "error")
             if result.error is not None:
                 span.set_status("error", result.error.message)
         return result
-
-    def _search_tool(self, run: RunState, call: ToolCall) -> ToolResult:
-        """``search_documents`` run by the loop itself, so its passages become citable."""
-        start = time.perf_counter()
-        try:
-            _, arguments = validate_call(self.registry, call.name, call.arguments)
-        except InvalidArgumentsError as error:
-            return ToolResult(call.name, str(error), ToolError("invalid_arguments", str(error), error.field))
-        shown = self._retrieve(run, arguments.query, max(arguments.k, run.options.lookup_k))[: arguments.k]
-        content = "\n\n".join(format_passage(passage.label, passage.source, passage.text) for passage in shown)
-        return ToolResult(call.name, content or "No passages found.", None, time.perf_counter() - start)
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -399,3 +382,16 @@ class AgentLoop(FirstStepProbes, AnswerChecks):
             return self.call_format.parse(text)
         except ValueError:
             return None  # a call cut short by max_tokens is not a call: it ends as text
+
+
+@dataclass
+class _RunSearcher:
+    """``search_documents`` inside a run (``tools.search_scope``): the run's own retrieval, so
+    the passages found get the run's next labels, become citable and feed prompt lookup
+    (``lookup_k`` of them, the top ``k`` shown)."""
+
+    loop: AgentLoop
+    run: RunState
+
+    def search(self, query: str, k: int) -> list[ShownPassage]:
+        return self.loop._retrieve(self.run, query, max(k, self.run.options.lookup_k))[:k]

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tools.builtin import format_passage
 from tools.formats import BARE_JSON, CallFormat
 
 DEFAULT_SYSTEM = (
@@ -137,11 +138,6 @@ def tool_line(schema: dict[str, Any]) -> str:
         arguments.append(f"{name}: {kind}{default}")
     description = " ".join(str(function.get("description", "")).split())
     return f"- {function['name']}({', '.join(arguments)}): {description}".rstrip(": ")
-
-
-def format_passage(label: str, source: str, text: str) -> str:
-    """One passage as the model sees it, in the prompt and in a search tool's result alike."""
-    return f"[{label}] ({source})\n{text}"
 
 
 def passages_message(passages: Sequence[PassageLike]) -> str:

@@ -98,9 +98,10 @@ def test_equal_scores_are_ordered_by_id(tmp_path: Path) -> None:
 
 def test_the_search_documents_tool_accepts_the_retriever(retriever: Retriever) -> None:
     tool = search_documents_tool(retriever)
-    results = tool(query="context manager protocol", k=2)
-    assert len(results) == 2 and set(results[0]) == {"id", "source", "text"}
-    assert results[0]["id"].startswith(results[0]["source"] + "#")
+    passages = tool(query="context manager protocol", k=2).split("\n\n[")
+    assert len(passages) == 2
+    label, source = passages[0].split("\n", 1)[0].split(" ", 1)
+    assert label.startswith("[") and label[1:-1].startswith(source.strip("()") + "#")  # [a.md#0] (a.md)
 
 
 def test_an_empty_index_answers_nothing(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from tools import (
     parse_tool_call,
     run_tool_sync,
     search_documents_tool,
+    search_scope,
     tool,
 )
 
@@ -276,8 +277,35 @@ class _Searcher:
 def test_search_documents_tool_over_a_searcher() -> None:
     registry = ToolRegistry([search_documents_tool(_Searcher())])
     result = run_tool_sync(registry, "search_documents", {"query": "loops", "k": 2})
-    assert json.loads(result.content) == [
-        {"id": "doc#0", "source": "doc.md", "text": "passage 0"},
-        {"id": "doc#1", "source": "doc.md", "text": "passage 1"},
-    ]
+    assert result.content == "[doc#0] (doc.md)\npassage 0\n\n[doc#1] (doc.md)\npassage 1"
     assert run_tool_sync(registry, "search_documents", {"query": "x", "k": 99}).error.field == "k"
+
+
+class _LabelledHit(_Hit):
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self.label, self.source = f"P{index + 7}", "run.md"
+
+
+class _RunSearcher:
+    def search(self, query: str, k: int) -> list[_Hit]:
+        return [_LabelledHit(index) for index in range(k)]
+
+
+def test_a_search_scope_serves_the_tool_from_the_runs_searcher_even_in_its_worker_thread() -> None:
+    """The agent loop binds its run's retrieval this way: one implementation of the tool."""
+    registry = ToolRegistry([search_documents_tool(_Searcher())])
+    with search_scope(_RunSearcher()):
+        scoped = run_tool_sync(registry, "search_documents", {"query": "loops", "k": 1})
+    assert scoped.content == "[P7] (run.md)\npassage 0"
+    outside = run_tool_sync(registry, "search_documents", {"query": "loops", "k": 1})
+    assert outside.content == "[doc#0] (doc.md)\npassage 0"
+
+
+def test_a_search_with_no_hits_says_so() -> None:
+    class _Empty:
+        def search(self, query: str, k: int) -> list[_Hit]:
+            return []
+
+    registry = ToolRegistry([search_documents_tool(_Empty())])
+    assert run_tool_sync(registry, "search_documents", {"query": "x"}).content == "No passages found."

@@ -1,6 +1,6 @@
 """Tools: ``@tool`` functions, their schemas, a registry, and execution with timeouts."""
 
-from tools.builtin import search_documents_tool
+from tools.builtin import format_passage, search_documents_tool, search_scope
 from tools.calls import ToolCall, parse_tool_call
 from tools.execute import InvalidArgumentsError, ToolError, ToolResult, run_tool, run_tool_sync, validate_call
 from tools.registry import Tool, ToolRegistry, UnknownToolError, tool
@@ -15,10 +15,12 @@ __all__ = [
     "ToolRegistry",
     "ToolResult",
     "UnknownToolError",
+    "format_passage",
     "parse_tool_call",
     "run_tool",
     "run_tool_sync",
     "search_documents_tool",
+    "search_scope",
     "tool",
     "validate_call",
 ]

@@ -11,6 +11,7 @@ returns, and its result is discarded.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import json
 import time
@@ -105,7 +106,9 @@ async def run_tool(registry: ToolRegistry, name: str, arguments: Mapping[str, An
         if tool.is_async:
             value = await asyncio.wait_for(tool.function(**kwargs), tool.timeout_s)
         else:
-            call = functools.partial(tool.function, **kwargs)
+            # In a copy of the caller's context, as asyncio.to_thread does: an agent run's
+            # bindings (``builtin.search_scope``) reach the tool in its worker thread.
+            call = functools.partial(contextvars.copy_context().run, tool.function, **kwargs)
             running = asyncio.get_running_loop().run_in_executor(_TOOL_THREADS, call)
             value = await asyncio.wait_for(running, tool.timeout_s)
     except TimeoutError:
