@@ -53,6 +53,7 @@ from agent.call_rules import (
     made_before,
     uses_results,
 )
+from agent.events import AgentEvent, ErrorEvent, FinalEvent, TokenEvent, ToolCallEvent, ToolResultEvent
 from agent.loop_checks import AnswerChecks
 from agent.loop_probes import FirstStepProbes
 from agent.prompt import PromptParts, passage_label, prompt_ids
@@ -78,7 +79,6 @@ from tools.formats import CallFormat, format_for
 
 logger = logging.getLogger(__name__)
 Generate = Callable[[GenerationRequest], Iterator[GenerationEvent]]
-AgentEvent = dict[str, Any]  # {"event": name, "data": {...}}
 MAX_DEVIATIONS = 2  # taken per run: a run asked for three values needs two
 # The outcome of a deviation the run goes on with. Not "text": the 1.5B's calls after a
 # result were often fenced (```json), and its second choice ```python led to a text
@@ -134,10 +134,10 @@ class AgentLoop(FirstStepProbes, AnswerChecks):
         """The whole run; the same structure as ``POST /v1/agent/runs``."""
         final: dict[str, Any] | None = None
         for event in self.events(question, options):
-            if event["event"] == "final":
-                final = event["data"]
-            elif event["event"] == "error":
-                raise RuntimeError(event["data"]["message"])
+            if isinstance(event, FinalEvent):
+                final = event.result
+            elif isinstance(event, ErrorEvent):
+                raise RuntimeError(event.message) from event.exception
         assert final is not None
         return final
 
@@ -153,7 +153,7 @@ class AgentLoop(FirstStepProbes, AnswerChecks):
             if run.answerability is not None and run.answerability["abstained"]:
                 answer = ABSTENTION
                 run.steps.append({"index": 0, "kind": "abstain", "answerability": run.answerability})
-                yield {"event": "token", "data": {"step": 0, "text": answer}}
+                yield TokenEvent(0, answer)
             else:
                 answer = yield from self._steps(run)
                 if options.citations == "attribute" and run.shown and self.retriever is not None:
@@ -161,25 +161,16 @@ class AgentLoop(FirstStepProbes, AnswerChecks):
                 if options.grounding != "off" and self.retriever is not None and (run.shown or run.executed):
                     answer = self._ground(run, answer)
                 if options.grounding == "abstain":  # withheld until checked: sent whole
-                    yield {
-                        "event": "token",
-                        "data": {"step": run.steps[-1]["index"] if run.steps else 0, "text": answer},
-                    }
+                    yield TokenEvent(run.steps[-1]["index"] if run.steps else 0, answer)
             result = run.result(answer)
             trace.root.set_attribute("output_tokens", result["usage"]["completion_tokens"])
             trace.finish()
-            yield {"event": "final", "data": result}
+            yield FinalEvent(result)
         except Exception as error:  # reported to the caller as an event; never a stack trace
             logger.exception("agent run %s failed", run.run_id)
             trace.root.record_exception(error)
             trace.finish()
-            # "data" is what clients see; "exception" is the error itself, for the server to
-            # tell a busy worker or a too-large request from a failure by type, not by name.
-            yield {
-                "event": "error",
-                "data": {"type": type(error).__name__, "message": str(error)},
-                "exception": error,
-            }
+            yield ErrorEvent(error)
 
     def _steps(self, run: RunState) -> Iterator[AgentEvent] | Any:  # a generator returning the answer
         """Generate, run the tools called, repeat, until the model answers in text."""
@@ -210,7 +201,7 @@ class AgentLoop(FirstStepProbes, AnswerChecks):
             if not calls:
                 run.steps.append(step_record(step, "answer", stats))
                 if tool_names and run.executed and options.grounding != "abstain":  # held until it used them
-                    yield {"event": "token", "data": {"step": step, "text": text}}
+                    yield TokenEvent(step, text)
                 return text.strip()
             fresh = first_time(calls, run.executed)
             new_calls = [call for call, new in zip(calls, fresh, strict=True) if new]
@@ -221,10 +212,10 @@ class AgentLoop(FirstStepProbes, AnswerChecks):
             if new_calls:
                 run.messages.append(self.call_format.assistant_message(text, new_calls))
             for call, new in zip(calls, fresh, strict=True):
-                yield {"event": "tool_call", "data": {"step": step, "name": call.name, "arguments": call.arguments}}
+                yield ToolCallEvent(step, call.name, call.arguments)
                 result = self._execute_new(run, call) if new else run.executed[canonical_call(call)]
                 run.steps.append({**step_record(step, "tool_call", stats, call, result), "repeated": not new})
-                yield {"event": "tool_result", "data": {"step": step, **tool_result_dict(result)}}
+                yield ToolResultEvent(step, tool_result_dict(result))
         return ""
 
     # -- stages ------------------------------------------------------------------------
@@ -330,7 +321,7 @@ class AgentLoop(FirstStepProbes, AnswerChecks):
                     streaming = not decoder.text.lstrip().startswith(call_opening)
                     piece = decoder.text if streaming else ""
                 if streaming and piece:
-                    yield {"event": "token", "data": {"step": step, "text": piece}}
+                    yield TokenEvent(step, piece)
                 stats = event.stats or stats
             assert stats is not None
             record_chat(run.trace, chat, cycles, stats)

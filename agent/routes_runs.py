@@ -20,6 +20,7 @@ from litestar.response import ServerSentEvent, ServerSentEventMessage
 
 from agent.api_models import AgentRunRequest, ServerLimits
 from agent.errors import POST_ERRORS, ApiError, invalid, logger
+from agent.events import AgentEvent, ErrorEvent, FinalEvent, TokenEvent
 from agent.loop import default_tools
 from agent.metrics import ServerMetrics
 from agent.run_state import RunOptions
@@ -107,42 +108,41 @@ def run_options(agent: ServedAgent, body: AgentRunRequest, limits: ServerLimits)
 
 
 def _observe_event(
-    metrics: ServerMetrics, agent: ServedAgent, event: dict[str, Any], seen_token: bool, received: float
+    metrics: ServerMetrics, agent: ServedAgent, event: AgentEvent, seen_token: bool, received: float
 ) -> bool:
-    if event["event"] == "token" and not seen_token:
+    if isinstance(event, TokenEvent) and not seen_token:
         metrics.ttft.labels("agent").observe(time.perf_counter() - received)
         seen_token = True
-    if event["event"] == "final":
-        metrics.observe_run(event["data"], agent.trace(event["data"]["trace_id"]))
+    if isinstance(event, FinalEvent):
+        metrics.observe_run(event.result, agent.trace(event.result["trace_id"]))
     return seen_token
 
 
 async def _collect_run(
     agent: ServedAgent,
     metrics: ServerMetrics,
-    first: dict[str, Any],
-    events: AsyncIterator[dict[str, Any]],
+    first: AgentEvent,
+    events: AsyncIterator[AgentEvent],
     received: float,
 ) -> dict[str, Any]:
     seen_token = False
     event = first
     while True:
         seen_token = _observe_event(metrics, agent, event, seen_token, received)
-        if event["event"] == "final":
-            return event["data"]
-        if event["event"] == "error":
+        if isinstance(event, FinalEvent):
+            return event.result
+        if isinstance(event, ErrorEvent):
             refusal = _refusal(event)
             if refusal is not None:
                 raise refusal
-            error = event["data"]
-            logger.error("agent run failed: %s: %s", error.get("type"), error.get("message"))
+            logger.error("agent run failed: %s: %s", event.type, event.message)
             raise ApiError(500, "internal error", type="internal_error")
         event = await anext(events)
 
 
-def _refusal(event: dict[str, Any]) -> ApiError | None:
+def _refusal(event: AgentEvent) -> ApiError | None:
     """The 503 or 400 for an error event whose exception is the caller's to act on, else None."""
-    exception = event.get("exception") if event["event"] == "error" else None
+    exception = event.exception if isinstance(event, ErrorEvent) else None
     if isinstance(exception, RequestTooLarge):
         return invalid("max_tokens", str(exception), code="context_length_exceeded")
     if isinstance(exception, OVERLOADED):
@@ -153,18 +153,18 @@ def _refusal(event: dict[str, Any]) -> ApiError | None:
 async def _run_sse(
     agent: ServedAgent,
     metrics: ServerMetrics,
-    first: dict[str, Any],
-    events: AsyncIterator[dict[str, Any]],
+    first: AgentEvent,
+    events: AsyncIterator[AgentEvent],
     received: float,
 ) -> AsyncIterator[ServerSentEventMessage]:
     """One SSE event per loop event (the loop reports its own failures as ``error`` events)."""
     seen_token = False
     async with aclosing(events):
-        event: dict[str, Any] | None = first
+        event: AgentEvent | None = first
         try:
             while event is not None:
                 seen_token = _observe_event(metrics, agent, event, seen_token, received)
-                yield ServerSentEventMessage(data=json.dumps(event["data"]), event=event["event"])
+                yield ServerSentEventMessage(data=json.dumps(event.data()), event=event.kind)
                 event = await anext(events, None)
         except Exception:  # the status is sent already: report it in the stream
             logger.exception("agent run stream failed")

@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from agent.loop import AgentEvent, AgentLoop, RunOptions
+from agent.events import AgentEvent
+from agent.loop import AgentLoop, RunOptions
 from agent.tool_gate import ToolRelevance
 from agent.trace import Tracer, TraceStore
 from agent.trace_otel import export_from_env

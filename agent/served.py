@@ -15,7 +15,7 @@ import anyio.to_thread
 from litestar.di import NamedDependency
 
 from agent.api_models import ServerLimits
-from agent.loop import AgentEvent
+from agent.events import AgentEvent
 from agent.metrics import ServerMetrics
 from agent.run_state import RunOptions
 from agent.trace import Tracer

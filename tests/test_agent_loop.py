@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.events import TokenEvent
 from agent.loop import AgentLoop, RunOptions, ShownPassage, default_tools
 from agent.results import resolve_citations
 from agent.runtime import Agent
@@ -40,14 +41,14 @@ def scripted_loop(smollm2: CausalLM, replies: list[str], retriever: Retriever | 
 def test_a_tool_call_runs_and_its_result_reaches_the_next_prompt(smollm2: CausalLM) -> None:
     loop, script = scripted_loop(smollm2, [call("add", a=2, b=3), "The sum is 5."])
     events = list(loop.events("What is 2 + 3?"))
-    kinds = [event["event"] for event in events]
+    kinds = [event.kind for event in events]
     assert kinds[0] == "tool_call" and "tool_result" in kinds and kinds[-1] == "final"
-    result = events[-1]["data"]
+    result = events[-1].data()
     assert result["answer"] == "The sum is 5."
     assert result["steps"][0]["tool_result"] == {"name": "add", "ok": True, "content": "5", "error": None}
     second_prompt = smollm2.tokenizer.decode(script.requests[1].prompt_tokens)
     assert '{"name": "add"' in second_prompt and "5" in second_prompt
-    assert "".join(e["data"]["text"] for e in events if e["event"] == "token") == "The sum is 5."
+    assert "".join(e.text for e in events if isinstance(e, TokenEvent)) == "The sum is 5."
 
 
 @pytest.mark.parametrize(

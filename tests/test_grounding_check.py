@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from agent.answerability import ABSTENTION
+from agent.events import TokenEvent
 from agent.grounding import GroundednessResult, SentenceVerdict
 from agent.grounding.check import evidence_texts, grounding_record, is_grounded
 from agent.loop import AgentLoop, RunOptions
@@ -72,30 +73,30 @@ def test_mark_keeps_an_invented_answer_and_names_its_unsupported_sentence(
     smollm2: CausalLM, retriever: Retriever
 ) -> None:
     events = list(loop_over(smollm2, retriever, [INVENTED]).events(QUESTION, RunOptions(max_steps=1)))
-    result = events[-1]["data"]
+    result = events[-1].data()
     assert result["answer"].startswith("The assert statement was added in Python 3.11")
     assert result["grounding"]["grounded"] is False
     unsupported = result["grounding"]["unsupported"]
     assert unsupported and unsupported[0]["text"].startswith("The assert statement was added")
-    assert "".join(e["data"]["text"] for e in events if e["event"] == "token") == INVENTED  # streamed as written
+    assert "".join(e.text for e in events if isinstance(e, TokenEvent)) == INVENTED  # streamed as written
 
 
 def test_abstain_withholds_an_invented_answer_and_never_streams_it(smollm2: CausalLM, retriever: Retriever) -> None:
     events = list(
         loop_over(smollm2, retriever, [INVENTED]).events(QUESTION, RunOptions(max_steps=1, grounding="abstain"))
     )
-    result = events[-1]["data"]
+    result = events[-1].data()
     assert result["answer"] == ABSTENTION
     assert result["grounding"]["withheld_answer"].startswith("The assert statement was added")
-    assert [e["data"]["text"] for e in events if e["event"] == "token"] == [ABSTENTION]
+    assert [e.text for e in events if isinstance(e, TokenEvent)] == [ABSTENTION]
 
 
 def test_abstain_sends_a_grounded_answer_whole_once_checked(smollm2: CausalLM, retriever: Retriever) -> None:
     answer = first_sentence(retriever)
     options = RunOptions(max_steps=1, grounding="abstain", citations="model")
     events = list(loop_over(smollm2, retriever, [answer]).events(QUESTION, options))
-    assert [e["data"]["text"] for e in events if e["event"] == "token"] == [answer]
-    assert events[-1]["data"]["answer"] == answer
+    assert [e.text for e in events if isinstance(e, TokenEvent)] == [answer]
+    assert events[-1].data()["answer"] == answer
 
 
 def test_a_claim_resting_on_a_tool_result_is_grounded(smollm2: CausalLM, retriever: Retriever) -> None:

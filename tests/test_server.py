@@ -13,6 +13,7 @@ import pytest
 from litestar.testing import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent.events import AgentEvent, ErrorEvent, TokenEvent
 from agent.loop import AgentLoop
 from agent.runtime import Agent
 from agent.server import create_app
@@ -260,9 +261,9 @@ def test_an_unexpected_failure_is_a_500_without_a_stack_trace(agent: Agent, monk
 def test_an_agent_error_event_is_a_500_or_an_error_event_in_the_stream(
     agent: Agent, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def failing(*_: object, **__: object) -> Iterator[dict[str, Any]]:
-        yield {"event": "token", "data": {"step": 0, "text": "Hal"}}
-        yield {"event": "error", "data": {"type": "RuntimeError", "message": "engine failed"}}
+    def failing(*_: object, **__: object) -> Iterator[AgentEvent]:
+        yield TokenEvent(0, "Hal")
+        yield ErrorEvent(RuntimeError("engine failed"))
 
     monkeypatch.setattr(agent, "stream", failing)
     with TestClient(create_app(agent)) as client:

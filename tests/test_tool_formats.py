@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from agent.events import FinalEvent, TokenEvent
 from agent.loop import AgentLoop, canonical_call, uses_results
 from agent.prompt import (
     ANSWER_REQUEST,
@@ -241,12 +242,12 @@ def test_an_answer_that_ignores_the_results_is_asked_for_again_and_only_the_kept
         hermes_tokenizer, [tagged(("add", {"a": 20, "b": 17})), "The latest price of a stock.", "It is 37."]
     )
     events = list(loop.events("What is 20 + 17?"))
-    result = next(event["data"] for event in events if event["event"] == "final")
+    result = next(event.result for event in events if isinstance(event, FinalEvent))
     assert result["answer"] == "It is 37." and grammars[2] == ([], "hermes")  # the re-ask: text only
     assert [step.get("ignored_results", False) for step in result["steps"]] == [False, True, False]
     third = hermes_tokenizer.decode(script.requests[2].prompt_tokens)
     assert ANSWER_REQUEST.format(question="What is 20 + 17?") in third and "latest price" not in third
-    streamed = "".join(event["data"]["text"] for event in events if event["event"] == "token")
+    streamed = "".join(event.text for event in events if isinstance(event, TokenEvent))
     assert streamed == "It is 37."
 
 
