@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from decoding.drafters.base import Draft
-from decoding.sampling import SamplingParams, on_generator_device, probs_from_logits
+from decoding.sampling import SamplingParams, on_generator_device, probs_from_logits, select_token
 
 # Below this residual mass the target and draft rows agree up to float rounding; the
 # rejection that led here had probability of about this mass, so drawing from p instead
@@ -119,6 +119,8 @@ def accept_draft(
     """Verify one sequence's draft against its target rows [γ+1, V] (processors and masks
     applied) by the rule its sampling parameters call for; a deterministic drafter's q is
     one-hot on its token. Returns ``(accepted_len, committed tokens)``."""
+    if not draft.tokens:  # γ = 0, a plain step: the rule reduces to choosing from p itself
+        return 0, [select_token(target_logits[-1], sampling, generator)]
     draft_tokens = torch.tensor(draft.tokens, dtype=torch.long, device=target_logits.device)
     if sampling.greedy:
         accepted_len, committed = greedy_accept(draft_tokens, target_logits)

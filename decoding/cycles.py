@@ -1,4 +1,7 @@
-"""What one decode cycle does to a sequence: a plain step or a draft-verify-accept step.
+"""What one decode cycle does to a sequence: verify a draft, accept a prefix, commit.
+
+A plain step is the γ = 0 case of the same cycle: the forward over the pending token
+alone, the acceptance rule reduced to choosing from the target's row, nothing to roll back.
 
 The engine (``decoding/engine.py``) decides which cycle a sequence runs and with which
 draft; these generators do it. Each yields the one target forward it needs
@@ -19,47 +22,36 @@ from decoding import policy as policies
 from decoding.acceptance import accept_draft
 from decoding.drafters import Draft
 from decoding.request import apply_processors
-from decoding.sampling import select_token
 from decoding.sequence import SequenceState
 from decoding.step_driver import Cycle, ForwardNeed, RowProcessor
 
 ForwardObserver = Callable[[int, float], None]  # (tokens forwarded, perf_counter at the start)
 
 
-def plain_step(seq: SequenceState, observe: ForwardObserver, off_reason: str | None) -> Cycle:
-    """One token: forward the pending token (its row processed and masked by the step), select, commit."""
-    bitmask = next_mask(seq)
-    with seq.stats.timed("decode"):
-        start = time.perf_counter()
-        need = ForwardNeed(seq.kv, seq.tokens[-1:], last_only=True, prepare=row_processor(seq), bitmask=bitmask)
-        logits = (yield need)[-1]
-        observe(1, start)
-    token = select_token(logits, seq.request.sampling, seq.generator)
-    grammar_accept(seq, token)
-    seq.stats.target_calls += 1
-    seq.stats.record_plain(off_reason)
-    for drafter in seq.drafters:
-        drafter.on_commit([token], 0)
-    return seq.commit([token])
+def no_draft() -> Draft:
+    """The draft of a plain step."""
+    return Draft([], None, policies.NO_PROPOSAL)
 
 
-def speculative_step(seq: SequenceState, observe: ForwardObserver, draft: Draft) -> Cycle:
-    """Verify ``draft`` in one target forward, accept a prefix, roll the rest back."""
+def decode_cycle(seq: SequenceState, observe: ForwardObserver, draft: Draft, off_reason: str | None = None) -> Cycle:
+    """Verify ``draft`` in one target forward over the pending token and its γ tokens,
+    accept a prefix, roll the rest back, commit. γ = 0 is a plain step; ``off_reason``
+    says why nothing was drafted."""
     bitmask = None
     if seq.grammar is not None:  # candidates after the first ungrammatical one are never verified
         with seq.stats.timed("grammar"):
             valid_len, bitmask = seq.grammar.advance_chain(draft.tokens)
+        if draft.tokens and not valid_len:
+            off_reason = policies.GRAMMAR_REJECTED
         draft = draft.truncated(valid_len)
-        if not draft.tokens:
-            return (yield from plain_step(seq, observe, policies.GRAMMAR_REJECTED))
+    gamma = len(draft.tokens)
     kept_before = len(seq.kv)
-    with seq.stats.timed("verify"):
+    with seq.stats.timed("verify" if gamma else "decode"):
         start = time.perf_counter()
-        need = ForwardNeed(
-            seq.kv, [seq.tokens[-1], *draft.tokens], prepare=row_processor(seq, draft.tokens), bitmask=bitmask
-        )
+        rows = [seq.tokens[-1], *draft.tokens]
+        need = ForwardNeed(seq.kv, rows, prepare=row_processor(seq, draft.tokens), bitmask=bitmask)
         target_logits = yield need
-        observe(len(draft.tokens) + 1, start)
+        observe(gamma + 1, start)
     seq.stats.target_calls += 1
     with seq.stats.timed("accept"):
         accepted_len, committed = accept_draft(draft, target_logits, seq.request.sampling, seq.generator)
@@ -71,8 +63,11 @@ def speculative_step(seq: SequenceState, observe: ForwardObserver, draft: Draft)
         seq.kv.crop(kept_before + 1 + accepted_len)
         for drafter in seq.drafters:  # a drafter that did not propose has nothing to undo
             drafter.on_commit(committed, accepted_len)
-    seq.policy.observe(draft.source, len(draft.tokens), accepted_len, draft.match_ngram)
-    seq.stats.record_verify(len(draft.tokens), accepted_len, draft.source)
+    if gamma:  # a plain step says nothing about any drafter's acceptance
+        seq.policy.observe(draft.source, gamma, accepted_len, draft.match_ngram)
+        seq.stats.record_verify(gamma, accepted_len, draft.source)
+    else:
+        seq.stats.record_plain(off_reason)
     return seq.commit(committed)
 
 

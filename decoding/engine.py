@@ -43,7 +43,7 @@ from collections.abc import Generator, Iterator
 import torch
 
 from decoding import policy as policies
-from decoding.cycles import grammar_accept, next_mask, plain_step, row_processor, speculative_step
+from decoding.cycles import decode_cycle, grammar_accept, next_mask, no_draft, row_processor
 from decoding.drafters import Draft, Drafter, ModelDrafter
 from decoding.drafters.model_drafter import SOURCE as MODEL_SOURCE
 from decoding.forward_timer import ForwardTimer, prompt_costs
@@ -297,7 +297,7 @@ class Engine:
             plan = plan if room >= plan.gamma else policies.Decision(max(room, 0), policies.BATCH_SATURATED)
         if plan.gamma == 0:
             self._expect(1.0)
-            return (yield from plain_step(seq, self._observe_forward, plan.reason))
+            return (yield from decode_cycle(seq, self._observe_forward, no_draft(), plan.reason))
         off_reason: str | None = policies.NO_PROPOSAL
         best: tuple[Decision, Drafter, Draft | None] | None = None
         for drafter in seq.drafters:
@@ -310,15 +310,15 @@ class Engine:
                 break  # "on": the first drafter with a proposal, in order of preference
         if best is None:
             self._expect(1.0)
-            return (yield from plain_step(seq, self._observe_forward, off_reason))
+            return (yield from decode_cycle(seq, self._observe_forward, no_draft(), off_reason))
         choice, drafter, draft = best
         self._expect(choice.expected)
         if draft is None:  # a costly drafter (a model) is only asked once it has won
             draft = yield from self._draft_with_model(seq, drafter, choice.gamma)
             if not draft.tokens:
-                return (yield from plain_step(seq, self._observe_forward, policies.NO_PROPOSAL))
+                return (yield from decode_cycle(seq, self._observe_forward, no_draft(), policies.NO_PROPOSAL))
         seq.stats.probe_cycles += choice.reason == "probe"
-        return (yield from speculative_step(seq, self._observe_forward, draft.truncated(choice.gamma)))
+        return (yield from decode_cycle(seq, self._observe_forward, draft.truncated(choice.gamma)))
 
     def _consider(
         self, seq: SequenceState, drafter: Drafter, cap: int, remaining: int
