@@ -23,6 +23,9 @@ install: $(STAMP)
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+# The docs site, every link and anchor checked (--strict), built into a temporary folder.
+	site=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir "$$site"; \
+		status=$$?; rm -rf "$$site"; exit $$status
 
 test: install lint
 	$(PY) -m pytest

@@ -6,7 +6,7 @@ yes/no question, the model's next-token probabilities rank those questions apart
 answerable ones well enough to gate on; the loop then replies ``ABSTENTION`` without
 generating. The threshold is the caller's (``RunOptions.abstain_threshold``): the tuned
 value depends on the model, so it is measured on a dev split (``evals/run.py``) and written
-down in the README, not guessed here.
+down in docs/evals.md, not guessed here.
 
 The probe's prompt is the answer prompt's with the probe sentence appended to the user
 message, so the two share every token up to the question: with the prefix cache the probe

@@ -30,7 +30,7 @@ import numpy as np
 # The rule: the lowest cosine, in steps of 0.05, whose citations the scorer found supported at
 # least 90% of the time on the dev half (odd ids) of qwen2.5-coder-1.5b's eval answers. An early
 # version of this module gave 0.8; the 1.5B run at 0.8 then measured 0.893 on dev, and the rule
-# re-applied to those saved answers gives 0.85 (python -m evals.attribution_sweep; README).
+# re-applied to those saved answers gives 0.85 (python -m evals.attribution_sweep; docs/evals.md).
 DEFAULT_MIN_SIMILARITY = 0.85
 _FENCE = re.compile(r"```.*?(?:```|\Z)", re.S)
 _MARKER_GROUP = re.compile(r"\s*\[P\d+\](?:\s*,\s*\[P\d+\])*")

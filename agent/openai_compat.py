@@ -124,7 +124,7 @@ def plan_chat(agent: Any, body: ChatCompletionRequest, limits: ServerLimits) -> 
 # under a schema grammar loops on small models: qwen2.5-coder-0.5b on 120 SchemaStore
 # schemas ended 31 of the 108 it could compile at max_tokens 512, every one a degenerate
 # repeat ("image", "video", ... or .gz.gz.gz), and 1.1 cut that to 8 (valid 71% -> 93% of the
-# compiled; `python -m evals.schema_corpus`, README). A vLLM-based batch API (Sutro) sets a
+# compiled; `python -m evals.schema_corpus`, docs/constrained-decoding.md). A vLLM-based batch API (Sutro) sets a
 # repetition penalty for json-schema requests by default for the same reason. Any penalty
 # field in the request, 1.0 included, is used as given.
 STRUCTURED_REPETITION_PENALTY = 1.1

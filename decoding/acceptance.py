@@ -1,4 +1,4 @@
-"""Lossless acceptance of drafted tokens (contract in DESIGN.md).
+"""Lossless acceptance of drafted tokens (contract in docs/design.md).
 
 Pure functions over tensors. Randomness only ever comes from the explicit
 ``torch.Generator`` argument, never the global RNG.

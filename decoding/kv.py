@@ -1,7 +1,7 @@
 """One sequence's KV cache for one model, with the token ids it holds.
 
 Rollback is a crop: after a rejection the cache must hold exactly the tokens that were
-committed (DESIGN.md, "KV commit/rollback"). Keeping the ids beside the tensors lets the
+committed (docs/design.md, "KV commit/rollback"). Keeping the ids beside the tensors lets the
 engine assert that invariant cheaply in debug mode.
 
 transformers' ``DynamicLayer`` appends with ``torch.cat``, copying the whole cache on every

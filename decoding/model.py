@@ -1,6 +1,6 @@
 """Loading a causal LM and running it over a sequence's KV cache.
 
-Token ids in, logits out. ``load_model`` takes a pack name (DESIGN.md), a local Hugging
+Token ids in, logits out. ``load_model`` takes a pack name (docs/design.md), a local Hugging
 Face folder, a ``.gguf`` path (converted once to safetensors), or a hub id where a hub is
 reachable; this process sets ``HF_HUB_OFFLINE=1`` unless told otherwise.
 """

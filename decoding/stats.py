@@ -1,4 +1,4 @@
-"""Per-request generation statistics (the ``GenerationStats`` contract of DESIGN.md)."""
+"""Per-request generation statistics (the ``GenerationStats`` contract of docs/design.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Render a benchmark JSON (``bench_decode --json``) as the compact table the README shows.
+"""Render a benchmark JSON (``bench_decode --json``) as the compact table docs/benchmarks.md shows.
 
 python -m evals.report_table evals/reports/bench_smollm2.json
 """

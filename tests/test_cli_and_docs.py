@@ -1,12 +1,10 @@
-"""The CLI's help and JSON output, and every Python example in the README, executed."""
+"""The CLI's help and JSON output. The README's and docs/' examples are run by tests/test_docs.py."""
 
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -46,35 +44,3 @@ def test_demo_json_is_identical_to_plain(smollm2: CausalLM) -> None:
     report = json.loads(result.stdout)
     assert report["identical_to_plain"] is True
     assert report["speculative"]["output_tokens"] == 24
-
-
-def readme_python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.DOTALL)
-
-
-def test_the_readme_has_python_examples() -> None:
-    assert readme_python_blocks()
-
-
-@pytest.fixture(scope="module")
-def readme_server(smollm2: CausalLM, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The README's HTTP examples talk to a real server (smollm2 for speed) at $SPECRAG_BASE_URL."""
-    from agent.server import create_app
-    from tests.server_helpers import LiveServer, sample_agent
-
-    agent = sample_agent(smollm2, tmp_path_factory.getbasetemp())
-    with LiveServer(create_app(agent, api_key="")) as url:
-        yield url
-    agent.close()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(readme_python_blocks())))
-def test_readme_python_example_runs(
-    index: int, smollm2: CausalLM, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    block = readme_python_blocks()[index]
-    if "SPECRAG_BASE_URL" in block:
-        monkeypatch.setenv("SPECRAG_BASE_URL", request.getfixturevalue("readme_server"))
-        monkeypatch.delenv("SPECRAG_API_KEY", raising=False)
-    exec(compile(block, f"README.md example {index}", "exec"), {})

@@ -31,7 +31,7 @@ from agent.grounding import text_match as tm
 from agent.grounding.types import GroundednessResult
 
 GROUNDING_MODES = ("off", "mark", "abstain")
-# Measured: the share of supported claims below which an answer is not grounded (README,
+# Measured: the share of supported claims below which an answer is not grounded (docs/evals.md,
 # "Grounded answers on documents nobody here has seen"; python -m evals.grounding_gate).
 DEFAULT_MIN_SUPPORTED = 0.5
 _WORD = re.compile(r"[A-Za-z0-9]")

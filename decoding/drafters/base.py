@@ -1,4 +1,4 @@
-"""The drafter protocol (DESIGN.md): propose candidates, then hear what was committed."""
+"""The drafter protocol (docs/design.md): propose candidates, then hear what was committed."""
 
 from __future__ import annotations
 
