@@ -51,3 +51,19 @@ def tiny_causal_lm(
 def smollm2() -> CausalLM:
     """The real smollm2-135m pack in float32 (exactness tests run in fp32)."""
     return load_model("smollm2-135m", dtype="float32", progress=False)
+
+
+@pytest.fixture
+def packed_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of sequences in each packed forward the engine makes during the test."""
+    from decoding import step_driver
+
+    sizes: list[int] = []
+    real = step_driver.packed_forward
+
+    def counted(lm: CausalLM, chunks: list) -> list:
+        sizes.append(len(chunks))
+        return real(lm, chunks)
+
+    monkeypatch.setattr(step_driver, "packed_forward", counted)
+    return sizes

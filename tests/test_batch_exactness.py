@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
-
-from decoding import step_driver
 from decoding.engine import Engine
 from decoding.model import CausalLM
 from decoding.request import GenerationRequest
@@ -79,15 +76,7 @@ def _alone(lm: CausalLM, request: GenerationRequest) -> list[int]:
     return [token for event in engine.generate(request) for token in event.token_ids]
 
 
-def test_float32_outputs_do_not_depend_on_the_batch(smollm2: CausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    packed_sizes: list[int] = []
-    real = step_driver.packed_forward
-
-    def counted(lm: CausalLM, chunks: list) -> list:
-        packed_sizes.append(len(chunks))
-        return real(lm, chunks)
-
-    monkeypatch.setattr(step_driver, "packed_forward", counted)
+def test_float32_outputs_do_not_depend_on_the_batch(smollm2: CausalLM, packed_sizes: list[int]) -> None:
     requests = _requests(smollm2)
     cancelled = GenerationRequest(smollm2.tokenizer("Count: 1, 2, 3,")["input_ids"], max_tokens=40, speculation="on")
     engine = Engine(smollm2, debug=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding import step_driver
 from decoding.acceptance import speculative_accept
 from decoding.engine import Engine
 from decoding.grammar import mask_logits, pack_allowed
@@ -71,13 +70,19 @@ def test_acceptance_and_grammar_masks_work_on_cuda_tensors() -> None:
     assert torch.equal(masked.cpu(), mask_logits(logits, pack_allowed(allowed)))
 
 
-def test_one_engine_serving_several_sequences_on_cuda_gives_each_its_run_alone() -> None:
-    target = on_cuda(tiny_causal_lm(48, seed=3))
-    prompts = [[(step * i + 1) % 48 for i in range(12 + 5 * step)] for step in (1, 2, 3, 5)]
-    requests = [
-        GenerationRequest(prompt, max_tokens=20, stop_token_ids=[], speculation=mode, lookup_sources=[prompt[::-1]])
-        for prompt, mode in zip(prompts, ("on", "off", "auto", "on"), strict=True)
+def mixed_requests(offset: int, lengths: list[int], modes: list[str], max_tokens: int) -> list[GenerationRequest]:
+    """Greedy requests of several lengths, each drafting (or not) over its reversed prompt."""
+    prompts = [[(length * i + offset) % 48 for i in range(length)] for length in lengths]
+    return [
+        GenerationRequest(
+            prompt, max_tokens=max_tokens, stop_token_ids=[], speculation=mode, lookup_sources=[prompt[::-1]]
+        )
+        for prompt, mode in zip(prompts, modes, strict=True)
     ]
+
+
+def assert_served_together_as_plain_alone(target: CausalLM, requests: list[GenerationRequest]) -> None:
+    """One engine serves every request at once; each output must be its plain greedy run alone."""
     engine = Engine(target, debug=True)
     ids = [engine.add(request) for request in requests]
     outputs: dict[int, list[int]] = {seq_id: [] for seq_id in ids}
@@ -85,38 +90,23 @@ def test_one_engine_serving_several_sequences_on_cuda_gives_each_its_run_alone()
         for event in engine.step():
             outputs[event.seq_id].extend(event.token_ids)
     for seq_id, request in zip(ids, requests, strict=True):
-        plain = GenerationRequest(request.prompt_tokens, max_tokens=20, stop_token_ids=[], speculation="off")
+        plain = GenerationRequest(
+            request.prompt_tokens, max_tokens=request.max_tokens, stop_token_ids=[], speculation="off"
+        )
         assert outputs[seq_id] == run(target, plain)
 
 
-def test_bf16_steps_on_cuda_are_packed_where_the_probes_pass_and_change_no_output(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_one_engine_serving_several_sequences_on_cuda_gives_each_its_run_alone() -> None:
+    target = on_cuda(tiny_causal_lm(48, seed=3))
+    assert_served_together_as_plain_alone(target, mixed_requests(1, [17, 22, 27, 37], ["on", "off", "auto", "on"], 20))
+
+
+def test_bf16_steps_on_cuda_are_packed_where_the_probes_pass_and_change_no_output(packed_sizes: list[int]) -> None:
     """The default dtype on CUDA: if the probes find packed steps bit-exact, several
     sequences share each forward and every output is still its plain greedy run alone."""
     target = CausalLM(tiny_causal_lm(48, seed=4).model.to("cuda", torch.bfloat16))
     if not target.batch_invariant:
         pytest.skip("the packed-step probes fail on this GPU: one forward per sequence")
-    packed_sizes: list[int] = []
-    real = step_driver.packed_forward
-
-    def counted(lm: CausalLM, chunks: list) -> list:
-        packed_sizes.append(len(chunks))
-        return real(lm, chunks)
-
-    monkeypatch.setattr(step_driver, "packed_forward", counted)
-    prompts = [[(step * i + 2) % 48 for i in range(10 + 7 * step)] for step in (1, 2, 3, 4, 6)]
-    requests = [
-        GenerationRequest(prompt, max_tokens=16, stop_token_ids=[], speculation=mode, lookup_sources=[prompt[::-1]])
-        for prompt, mode in zip(prompts, ("on", "off", "auto", "on", "off"), strict=True)
-    ]
-    engine = Engine(target, debug=True)
-    ids = [engine.add(request) for request in requests]
-    outputs: dict[int, list[int]] = {seq_id: [] for seq_id in ids}
-    while engine.has_unfinished():
-        for event in engine.step():
-            outputs[event.seq_id].extend(event.token_ids)
+    requests = mixed_requests(2, [17, 24, 31, 38, 52], ["on", "off", "auto", "on", "off"], 16)
+    assert_served_together_as_plain_alone(target, requests)
     assert max(packed_sizes) >= 4
-    for seq_id, request in zip(ids, requests, strict=True):
-        plain = GenerationRequest(request.prompt_tokens, max_tokens=16, stop_token_ids=[], speculation="off")
-        assert outputs[seq_id] == run(target, plain)
