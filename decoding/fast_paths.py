@@ -36,6 +36,7 @@ reference in the benchmark run the same weights.
 from __future__ import annotations
 
 import functools
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -63,6 +64,10 @@ ROW_EXACT_QUERY_BLOCK = 16
 # prefix cache's block size), each over exactly the keys up to its block's end, so a
 # prompt row gets the same bits however the prompt is cut into prefill chunks.
 PREFILL_BLOCK = 32
+# Which rows of the forward under way are prompt rows ([T] bool, every chunk's rows in
+# order), set by ``decoding/packed.py``: row-blocked linears compute them apart
+# (``SkinnyLinear.prompt_block``). None: no prompt rows, or a forward outside the packed call.
+PROMPT_ROWS: ContextVar[torch.Tensor | None] = ContextVar("specrag_prompt_rows", default=None)
 
 
 class SkinnyLinear(torch.nn.Linear):
@@ -74,11 +79,23 @@ class SkinnyLinear(torch.nn.Linear):
     one-row product is computed as two copies of the row: on the AMX machine oneDNN's
     one-row bf16 kernel was 1.2-1.7x slower than its two-row one for every shape of the
     1.5B (``evals/bench_forward.py``); row-exactness makes the padded row's bits the same.
+
+    With ``row_block`` set, a product over more rows is computed in blocks of that many:
+    on the AMX Xeon oneDNN's bf16 kernel gives a row the same bits in any product of 2..32
+    rows but switches schedule beyond (at 33 rows for most of the 1.5B's shapes), so a
+    packed step of 36 rows would round its sequences' rows apart from their own forwards.
+    Prompt rows (``PROMPT_ROWS``) go instead in products of exactly ``prompt_block`` rows,
+    zero-padded: there a row's bits depend on the product's row count only, not on the
+    other rows nor its place, so a prompt gets the same bits however it is cut into chunks,
+    at the speed of a wide product (256 rows: 19-21 ms for the 1.5B's MLP shapes against
+    50 in 32-row blocks, per 1,024 rows).
     """
 
     k_chunks: tuple[tuple[int, int], ...] = ()
     min_rows: int = 1
     onednn: bool = False  # row-exact float32: oneDNN's inner product (``onednn_available``)
+    row_block: int | None = None  # row-exact: most rows in one product (None: any number)
+    prompt_block: int | None = None  # row-exact: prompt rows per product, exactly (None: as any row)
 
     @property
     def weight_major(self) -> bool:
@@ -87,11 +104,38 @@ class SkinnyLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
+        prompt_rows = PROMPT_ROWS.get() if self.prompt_block is not None else None
+        if prompt_rows is not None and prompt_rows.numel() == rows.shape[0] and bool(prompt_rows.any()):
+            out = rows.new_empty(rows.shape[0], self.out_features)
+            out[prompt_rows] = self._prompt_product(rows[prompt_rows])
+            others = ~prompt_rows
+            if bool(others.any()):
+                out[others] = self._blocked_product(rows[others])
+        else:
+            out = self._blocked_product(rows)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def _blocked_product(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.row_block is None or rows.shape[0] <= self.row_block:
+            return self._padded_product(rows)
+        return torch.cat([self._padded_product(block) for block in rows.split(self.row_block)])
+
+    def _padded_product(self, rows: torch.Tensor) -> torch.Tensor:
         count = rows.shape[0]
         if count < self.min_rows:
             rows = rows.expand(self.min_rows, -1).contiguous()
-        out = self._product(rows)[:count]
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return self._product(rows)[:count]
+
+    def _prompt_product(self, rows: torch.Tensor) -> torch.Tensor:
+        size = self.prompt_block
+        assert size is not None
+        parts = []
+        for block in rows.split(size):
+            count = block.shape[0]
+            if count < size:
+                block = torch.cat([block, block.new_zeros(size - count, block.shape[1])])
+            parts.append(self._product(block)[:count])
+        return torch.cat(parts)
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
         if self.k_chunks:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.fast_paths import PACKED_KWARG, ROW_EXACT_KWARG
+from decoding.fast_paths import PACKED_KWARG, PROMPT_ROWS, ROW_EXACT_KWARG
 from decoding.kv import SequenceKV
 from decoding.model import CausalLM
 
@@ -83,16 +83,23 @@ def packed_forward(lm: CausalLM, chunks: Sequence[Chunk]) -> list[torch.Tensor]:
         range(end - 1, end) if chunk.last_only else range(start, end)
         for chunk, (start, end) in zip(chunks, cache.bounds, strict=True)
     ]
-    output = lm.model(
-        input_ids=ids,
-        position_ids=positions,
-        attention_mask=placeholder,
-        cache=cache,
-        use_cache=True,
-        logits_to_keep=torch.tensor([row for rows in kept for row in rows], device=device),
-        **{PACKED_KWARG: cache},
-        **exact,
-    )
+    prompt_rows = None
+    if any(chunk.prompt for chunk in chunks):  # row-blocked linears compute them apart
+        prompt_rows = torch.tensor([chunk.prompt for chunk in chunks for _ in chunk.token_ids], device=device)
+    marked = PROMPT_ROWS.set(prompt_rows)
+    try:
+        output = lm.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=placeholder,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=torch.tensor([row for rows in kept for row in rows], device=device),
+            **{PACKED_KWARG: cache},
+            **exact,
+        )
+    finally:
+        PROMPT_ROWS.reset(marked)
     for chunk in chunks:
         chunk.kv.record(chunk.token_ids)
     logits = output.logits[0].float()

@@ -52,6 +52,70 @@ def test_the_linear_probe_catches_a_row_dependent_product(monkeypatch: pytest.Mo
     assert find_row_exact_chunking(layer) is None and layer.k_chunks == () and layer.min_rows == 1
 
 
+def _switching_product(monkeypatch: pytest.MonkeyPatch, rows_limit: int) -> list[int]:
+    """Plant a kernel that rounds differently past ``rows_limit`` rows (as oneDNN's bf16
+    products do past 32 on the AMX Xeon); returns the row count of every product run."""
+    counts: list[int] = []
+
+    def planted(self: SkinnyLinear, rows: torch.Tensor) -> torch.Tensor:
+        counts.append(rows.shape[0])
+        one_by_one = torch.cat([torch.nn.functional.linear(row[None], self.weight) for row in rows])
+        return one_by_one + (1e-6 if rows.shape[0] > rows_limit else 0.0)
+
+    monkeypatch.setattr(SkinnyLinear, "_product", planted)
+    return counts
+
+
+def test_more_rows_than_a_block_get_the_bits_of_their_own_products(monkeypatch: pytest.MonkeyPatch) -> None:
+    layer = _random_linear(16, 8, torch.float64, torch.Generator().manual_seed(2))
+    counts = _switching_product(monkeypatch, rows_limit=4)
+    x = torch.randn(11, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    alone = torch.cat([layer(x[row : row + 1]) for row in range(11)])
+    assert not torch.equal(layer(x), alone)  # the planted switch bites without blocks
+    layer.row_block = 4
+    counts.clear()
+    assert torch.equal(layer(x), alone) and counts == [4, 4, 3]
+
+
+def test_prompt_rows_go_in_products_of_exactly_the_prompt_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    layer = _random_linear(16, 8, torch.float64, torch.Generator().manual_seed(4))
+    layer.row_block, layer.prompt_block = 4, 8
+    counts = _switching_product(monkeypatch, rows_limit=8)
+    x = torch.randn(13, 16, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    prompt_rows = torch.tensor([False, False] + [True] * 10 + [False])  # a step, a prompt chunk, a step
+    marked = fast_paths.PROMPT_ROWS.set(prompt_rows)
+    try:
+        out = layer(x[None])[0]
+    finally:
+        fast_paths.PROMPT_ROWS.reset(marked)
+    assert counts == [8, 8, 3]  # the 10 prompt rows in two products of 8 (zero-padded), then 3 others
+    expected = torch.nn.functional.linear(x, layer.weight)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    counts.clear()
+    layer.prompt_block = None  # a layer without it (the LM head) takes every row as any row
+    marked = fast_paths.PROMPT_ROWS.set(prompt_rows)
+    try:
+        layer(x)
+    finally:
+        fast_paths.PROMPT_ROWS.reset(marked)
+    assert counts == [4, 4, 4, 1]  # a lone last row is padded to min_rows (1 here)
+
+
+def test_the_prompt_block_probe_catches_rows_that_depend_on_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    layer = _random_linear(16, 8, torch.float64, torch.Generator().manual_seed(6))
+    generator = torch.Generator().manual_seed(0)
+    assert batch_invariance.prompt_block_is_exact(layer, generator)
+    real_product = SkinnyLinear._product
+
+    def planted(self: SkinnyLinear, rows: torch.Tensor) -> torch.Tensor:  # a row sees the others
+        return real_product(self, rows) + 1e-9 * rows.sum()
+
+    monkeypatch.setattr(SkinnyLinear, "_product", planted)
+    assert not batch_invariance.prompt_block_is_exact(layer, generator)
+    setting = batch_invariance.find_row_exact_setting(layer)
+    assert setting is None or setting.prompt_block is None
+
+
 @pytest.mark.parametrize("cached", [3, 30])  # all rows in one key bucket; rows across two
 def test_each_verify_row_is_the_one_token_steps_call(cached: int) -> None:
     generator = torch.Generator().manual_seed(0)
