@@ -132,9 +132,8 @@ class SkinnyLinear(torch.nn.Linear):
         parts = []
         for block in rows.split(size):
             count = block.shape[0]
-            if count < size:
-                block = torch.cat([block, block.new_zeros(size - count, block.shape[1])])
-            parts.append(self._product(block)[:count])
+            padding = block.new_zeros(size - count, block.shape[1])
+            parts.append(self._product(torch.cat([block, padding]) if count < size else block)[:count])
         return torch.cat(parts)
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
