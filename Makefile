@@ -37,8 +37,8 @@ bench: install
 	$(VENV)/bin/specrag bench decode
 
 parity: install
-	$(PY) -m evals.parity --dtype float32
-	$(PY) -m evals.parity --dtype bfloat16
+	$(PY) -m specrag.evals.checks.parity --dtype float32
+	$(PY) -m specrag.evals.checks.parity --dtype bfloat16
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

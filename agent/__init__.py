@@ -1,3 +1,3 @@
 """The agent loop, prompts, traces, HTTP server and the `specrag` CLI."""
 
-import decoding  # noqa: F401  (first: it sets HF_HUB_OFFLINE before any hub library loads)
+from specrag import decoding  # noqa: F401  (first: it sets HF_HUB_OFFLINE before any hub library loads)

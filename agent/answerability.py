@@ -5,7 +5,7 @@ all 14 unanswerable questions of the groundedness set from memory. Asked the sam
 yes/no question, the model's next-token probabilities rank those questions apart from the
 answerable ones well enough to gate on; the loop then replies ``ABSTENTION`` without
 generating. The threshold is the caller's (``RunOptions.abstain_threshold``): the tuned
-value depends on the model, so it is measured on a dev split (``evals/run.py``) and written
+value depends on the model, so it is measured on a dev split (``evals/groundedness/run.py``) and written
 down in docs/evals.md, not guessed here.
 
 The probe's prompt is the answer prompt's with the probe sentence appended to the user
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from agent.prompt import PromptParts, build_messages
+from specrag.agent.prompt import PromptParts, build_messages
 
 PROBE = "Is the answer to this question stated in the passages above? Answer yes or no."
 ABSTENTION = "The documents do not say."

@@ -2,7 +2,7 @@
 
 The small models here cite rarely and often name the wrong passage: over the 71 eval
 questions qwen2.5-coder-1.5b put 18 scorable markers in 45 answers and 9 of them named a
-passage that does not support the sentence (evals/reports/groundedness_qwen1.5b). With
+passage that does not support the sentence (docs/reports/groundedness_qwen1.5b). With
 ``citations="attribute"`` the loop drops the model's markers and cites again: each prose
 sentence of the answer is embedded with the retriever's model and compared with every
 sentence, and every pair of adjacent sentences, of every shown passage. The sentence cites
@@ -30,7 +30,7 @@ import numpy as np
 # The rule: the lowest cosine, in steps of 0.05, whose citations the scorer found supported at
 # least 90% of the time on the dev half (odd ids) of qwen2.5-coder-1.5b's eval answers. An early
 # version of this module gave 0.8; the 1.5B run at 0.8 then measured 0.893 on dev, and the rule
-# re-applied to those saved answers gives 0.85 (python -m evals.attribution_sweep; docs/evals.md).
+# re-applied to those saved answers gives 0.85 (python -m specrag.evals.studies.attribution_sweep; docs/evals.md).
 DEFAULT_MIN_SIMILARITY = 0.85
 _FENCE = re.compile(r"```.*?(?:```|\Z)", re.S)
 _MARKER_GROUP = re.compile(r"\s*\[P\d+\](?:\s*,\s*\[P\d+\])*")

@@ -8,8 +8,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from decoding.schema_merge import canonical_json
-from tools import ToolCall, ToolResult
+from specrag.decoding.schema_merge import canonical_json
+from specrag.tools import ToolCall, ToolResult
 
 SEARCH_TOOL = "search_documents"
 

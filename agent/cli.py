@@ -28,7 +28,7 @@ from typing import Any
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from decoding import packs
+    from specrag.decoding import packs
 
     pulled = packs.pull(args.pack, progress=not args.json)
     if args.json:
@@ -39,13 +39,13 @@ def _pull(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from agent.demo import run_demo
+    from specrag.agent.demo import run_demo
 
     return run_demo(args.model, args.topic, args.question, args.max_tokens, args.compare, args.json, args.dtype)
 
 
 def _index_build(args: argparse.Namespace) -> int:
-    from retrieval import (
+    from specrag.retrieval import (
         Chunker,
         ChunkerSettings,
         Embedder,
@@ -89,7 +89,7 @@ def _silence_progress_bars() -> None:
 
 
 def _index_search(args: argparse.Namespace) -> int:
-    from retrieval import IndexLoadError, Retriever
+    from specrag.retrieval import IndexLoadError, Retriever
 
     try:
         retriever = Retriever.open(args.index, hybrid=not args.dense)
@@ -134,7 +134,7 @@ def _add_index_commands(commands: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from decoding.packs import PACKS
+    from specrag.decoding.packs import PACKS
 
     parser = argparse.ArgumentParser(
         prog="specrag", description="A RAG agent runtime with an exact speculative decoder."
@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=_demo)
 
     _add_index_commands(commands)
-    from agent.cli_agent import add_agent_commands
+    from specrag.agent.cli_agent import add_agent_commands
 
     add_agent_commands(commands)
     _add_plugin_commands(commands)

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agent.cli_options import add_grounding_arguments, grounding_options, probability
-from agent.sample_index import ensure_sample_index
+from specrag.agent.cli_options import add_grounding_arguments, grounding_options, probability
+from specrag.agent.sample_index import ensure_sample_index
 
 
 class StartupError(Exception):
@@ -24,10 +24,10 @@ class StartupError(Exception):
 
 
 def _agent(args: argparse.Namespace, concurrent: bool, progress: bool) -> Any:
-    from agent.runtime import Agent
-    from agent.trace import Tracer, TraceStore
-    from agent.trace_otel import export_from_env
-    from tools.loading import ToolLoadError, import_target, load_all
+    from specrag.agent.runtime import Agent
+    from specrag.agent.trace import Tracer, TraceStore
+    from specrag.agent.trace_otel import export_from_env
+    from specrag.tools.loading import ToolLoadError, import_target, load_all
 
     try:
         if args.app is not None:
@@ -46,7 +46,7 @@ def _agent(args: argparse.Namespace, concurrent: bool, progress: bool) -> Any:
 
 
 def _agent_from_factory(spec: str, factory: Any, concurrent: bool) -> Any:
-    from agent.runtime import Agent
+    from specrag.agent.runtime import Agent
 
     if not callable(factory):
         raise StartupError(f"--app {spec!r}: not callable; name a function that returns an Agent")
@@ -69,7 +69,7 @@ def _started(args: argparse.Namespace, concurrent: bool, progress: bool) -> Any:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from agent.server import serve
+    from specrag.agent.server import serve
 
     agent = _started(args, concurrent=True, progress=True)
     if agent is None:
@@ -84,8 +84,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _ask(args: argparse.Namespace) -> int:
-    from agent.run_state import RunOptions
-    from agent.trace import stage_durations
+    from specrag.agent.run_state import RunOptions
+    from specrag.agent.trace import stage_durations
 
     agent = _started(args, concurrent=False, progress=not args.json)
     if agent is None:

@@ -16,7 +16,7 @@ def probability(text: str) -> float:
 
 def add_grounding_arguments(parser: argparse.ArgumentParser) -> None:
     """The groundedness check's options (agent/grounding/check.py), for ``ask`` and the eval."""
-    from agent.grounding.check import DEFAULT_MIN_SUPPORTED, GROUNDING_MODES
+    from specrag.agent.grounding.check import DEFAULT_MIN_SUPPORTED, GROUNDING_MODES
 
     parser.add_argument(
         "--grounding",

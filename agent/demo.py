@@ -12,9 +12,9 @@ import sys
 import time
 from typing import Any
 
-from agent.sample_prompts import PromptCase, encode_case
-from decoding import Engine, GenerationRequest, GenerationStats
-from decoding.model import CausalLM, load_model
+from specrag.agent.sample_prompts import PromptCase, encode_case
+from specrag.decoding import Engine, GenerationRequest, GenerationStats
+from specrag.decoding.model import CausalLM, load_model
 
 
 def stream_answer(

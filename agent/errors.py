@@ -18,7 +18,7 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import ResponseSpec
 
-from agent.api_models import ErrorResponse
+from specrag.agent.api_models import ErrorResponse
 
 logger = logging.getLogger("specrag.server")
 

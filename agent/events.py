@@ -39,7 +39,7 @@ class ToolCallEvent:
 
 @dataclass(frozen=True)
 class ToolResultEvent:
-    """A tool's result (``agent.results.tool_result_dict``: name, content, ok, error, ...)."""
+    """A tool's result (``specrag.agent.results.tool_result_dict``: name, content, ok, error, ...)."""
 
     kind: ClassVar[str] = "tool_result"
     step: int

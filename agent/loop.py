@@ -43,9 +43,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from agent.answerability import ABSTENTION, AnswerTokens
-from agent.attribution import Attributor
-from agent.call_rules import (
+from specrag.agent.answerability import ABSTENTION, AnswerTokens
+from specrag.agent.attribution import Attributor
+from specrag.agent.call_rules import (
     canonical_call,
     default_tools,
     first_time,
@@ -53,29 +53,29 @@ from agent.call_rules import (
     made_before,
     uses_results,
 )
-from agent.events import AgentEvent, ErrorEvent, FinalEvent, TokenEvent, ToolCallEvent, ToolResultEvent
-from agent.loop_checks import AnswerChecks
-from agent.loop_probes import FirstStepProbes
-from agent.prompt import PromptParts, passage_label, prompt_ids
-from agent.repeat_deviation import TRIES, BanAt, MarginRecorder, deviations
-from agent.results import ShownPassage, record_chat, step_record, tool_result_dict
-from agent.run_state import RunOptions, RunState
-from agent.stream import IncrementalDecoder
-from agent.tool_gate import ToolRelevance
-from agent.trace import Tracer
-from decoding.grammar import Grammar
-from decoding.request import GenerationEvent, GenerationRequest
-from decoding.sampling import SamplingParams
-from decoding.stats import GenerationStats
-from retrieval.reflow import lookup_texts
-from tools import (
+from specrag.agent.events import AgentEvent, ErrorEvent, FinalEvent, TokenEvent, ToolCallEvent, ToolResultEvent
+from specrag.agent.loop_checks import AnswerChecks
+from specrag.agent.loop_probes import FirstStepProbes
+from specrag.agent.prompt import PromptParts, passage_label, prompt_ids
+from specrag.agent.repeat_deviation import TRIES, BanAt, MarginRecorder, deviations
+from specrag.agent.results import ShownPassage, record_chat, step_record, tool_result_dict
+from specrag.agent.run_state import RunOptions, RunState
+from specrag.agent.stream import IncrementalDecoder
+from specrag.agent.tool_gate import ToolRelevance
+from specrag.agent.trace import Tracer
+from specrag.decoding.grammar import Grammar
+from specrag.decoding.request import GenerationEvent, GenerationRequest
+from specrag.decoding.sampling import SamplingParams
+from specrag.decoding.stats import GenerationStats
+from specrag.retrieval.reflow import lookup_texts
+from specrag.tools import (
     ToolCall,
     ToolRegistry,
     ToolResult,
     run_tool_sync,
     search_scope,
 )
-from tools.formats import CallFormat, format_for
+from specrag.tools.formats import CallFormat, format_for
 
 logger = logging.getLogger(__name__)
 Generate = Callable[[GenerationRequest], Iterator[GenerationEvent]]
@@ -377,7 +377,7 @@ class AgentLoop(FirstStepProbes, AnswerChecks):
 
 @dataclass
 class _RunSearcher:
-    """``search_documents`` inside a run (``tools.search_scope``): the run's own retrieval, so
+    """``search_documents`` inside a run (``specrag.tools.search_scope``): the run's own retrieval, so
     the passages found get the run's next labels, become citable and feed prompt lookup
     (``lookup_k`` of them, the top ``k`` shown)."""
 

@@ -8,12 +8,12 @@ import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from agent.answerability import ABSTENTION
-from agent.attribution import Attributor, attribution_record
-from agent.grounding.check import check_answer, evidence_texts, tool_evidence
-from agent.grounding.support_judge import SupportJudge
-from agent.run_state import RunState
-from decoding.request import GenerationEvent, GenerationRequest
+from specrag.agent.answerability import ABSTENTION
+from specrag.agent.attribution import Attributor, attribution_record
+from specrag.agent.grounding.check import check_answer, evidence_texts, tool_evidence
+from specrag.agent.grounding.support_judge import SupportJudge
+from specrag.agent.run_state import RunState
+from specrag.decoding.request import GenerationEvent, GenerationRequest
 
 
 class AnswerChecks:

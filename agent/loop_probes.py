@@ -8,13 +8,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from agent.answerability import AnswerTokens, NextTokenLogits, p_unanswerable, probe_messages
-from agent.prompt import PromptParts, encode_messages, prompt_ids
-from agent.run_state import RunOptions, RunState
-from agent.tool_gate import GateVerdict, ToolRelevance, call_opening_ids, call_probability
-from decoding.request import GenerationEvent, GenerationRequest
-from tools import ToolRegistry
-from tools.formats import CallFormat
+from specrag.agent.answerability import AnswerTokens, NextTokenLogits, p_unanswerable, probe_messages
+from specrag.agent.prompt import PromptParts, encode_messages, prompt_ids
+from specrag.agent.run_state import RunOptions, RunState
+from specrag.agent.tool_gate import GateVerdict, ToolRelevance, call_opening_ids, call_probability
+from specrag.decoding.request import GenerationEvent, GenerationRequest
+from specrag.tools import ToolRegistry
+from specrag.tools.formats import CallFormat
 
 
 class FirstStepProbes:

@@ -35,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from decoding.stats import GenerationStats
+from specrag.decoding.stats import GenerationStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST  # the exposition format generate_latest writes
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)

@@ -32,21 +32,21 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.api_models import ChatCompletionRequest, ServerLimits, ToolDefinition
-from agent.errors import ApiError, invalid, logger
-from agent.metrics import ServerMetrics
-from agent.prompt import PromptParts, encode_messages, system_message
-from agent.results import speculation_summary
-from agent.stream import IncrementalDecoder
-from decoding.grammar import Grammar
-from decoding.grammar_compile import UnsupportedSchemaError, enforceable_schema
-from decoding.penalties import Penalties, PenaltyProcessor
-from decoding.request import GenerationRequest
-from decoding.sampling import SamplingParams
-from decoding.stats import GenerationStats
-from tools import ToolCall
-from tools.formats import BARE_JSON, CallFormat
-from tools.schema_check import SchemaViolation, validate_json_text, validate_value
+from specrag.agent.api_models import ChatCompletionRequest, ServerLimits, ToolDefinition
+from specrag.agent.errors import ApiError, invalid, logger
+from specrag.agent.metrics import ServerMetrics
+from specrag.agent.prompt import PromptParts, encode_messages, system_message
+from specrag.agent.results import speculation_summary
+from specrag.agent.stream import IncrementalDecoder
+from specrag.decoding.grammar import Grammar
+from specrag.decoding.grammar_compile import UnsupportedSchemaError, enforceable_schema
+from specrag.decoding.penalties import Penalties, PenaltyProcessor
+from specrag.decoding.request import GenerationRequest
+from specrag.decoding.sampling import SamplingParams
+from specrag.decoding.stats import GenerationStats
+from specrag.tools import ToolCall
+from specrag.tools.formats import BARE_JSON, CallFormat
+from specrag.tools.schema_check import SchemaViolation, validate_json_text, validate_value
 
 DEFAULT_TOOL_SYSTEM = "You are a helpful assistant."
 _CALL_OPENINGS = "{<`"  # the first character of a bare, tagged or fenced call
@@ -124,8 +124,8 @@ def plan_chat(agent: Any, body: ChatCompletionRequest, limits: ServerLimits) -> 
 # under a schema grammar loops on small models: qwen2.5-coder-0.5b on 120 SchemaStore
 # schemas ended 31 of the 108 it could compile at max_tokens 512, every one a degenerate
 # repeat ("image", "video", ... or .gz.gz.gz), and 1.1 cut that to 8 (valid 71% -> 93% of the
-# compiled; `python -m evals.schema_corpus`, docs/constrained-decoding.md). A vLLM-based batch API (Sutro) sets a
-# repetition penalty for json-schema requests by default for the same reason. Any penalty
+# compiled; `python -m specrag.evals.studies.schema_corpus`, docs/constrained-decoding.md). A vLLM-based batch API
+# (Sutro) sets a repetition penalty for json-schema requests by default for the same reason. Any penalty
 # field in the request, 1.0 included, is used as given.
 STRUCTURED_REPETITION_PENALTY = 1.1
 

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tools.builtin import format_passage
-from tools.formats import BARE_JSON, CallFormat
+from specrag.tools.builtin import format_passage
+from specrag.tools.formats import BARE_JSON, CallFormat
 
 DEFAULT_SYSTEM = (
     "You are a precise assistant. Answer from the passages only and cite each passage you use as [P1], [P2]. "
@@ -29,7 +29,7 @@ DEFAULT_SYSTEM = (
 # example answer 1.5B put a [Pn] in 22 of 43 non-refusing answers over the 71 eval questions,
 # but only 9 of the 18 scored citations supported their sentence; on 0.5B it cost
 # groundedness (0.711 -> 0.597) and both models once answered with the example itself
-# (evals/reports/groundedness_qwen1.5b, groundedness_qwen0.5b_citing). So it is not the default.
+# (docs/reports/groundedness_qwen1.5b, groundedness_qwen0.5b_citing). So it is not the default.
 CITING_SYSTEM = (
     "You are a precise assistant. Answer from the passages only. After each sentence, cite the passage it comes "
     "from, like [P2]. If the passages do not contain the answer, say that it is not in the documents.\n\n"

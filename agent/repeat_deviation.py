@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.grammar import Grammar, GrammarState, allowed_tokens
+from specrag.decoding.grammar import Grammar, GrammarState, allowed_tokens
 
 CANDIDATES = 32  # the best tokens kept per row: the grammar's best alternative is among them
 TRIES = 3  # positions tried per repeated step, smallest margin first

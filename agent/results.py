@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from agent.trace import SpeculationCycle, Trace
-from decoding.stats import GenerationStats
-from tools import ToolCall, ToolResult
+from specrag.agent.trace import SpeculationCycle, Trace
+from specrag.decoding.stats import GenerationStats
+from specrag.tools import ToolCall, ToolResult
 
 _CITATION = re.compile(r"\[P(\d+)\]")
 

@@ -14,12 +14,12 @@ from litestar import Controller, Response, post
 from litestar.params import JSONBody
 from litestar.response import ServerSentEvent
 
-from agent.api_models import ChatCompletionRequest
-from agent.errors import POST_ERRORS, ApiError, error_body, logger
-from agent.openai_compat import ChatRun, plan_chat
-from agent.routes_runs import overloaded
-from agent.served import AgentDep, LimitsDep, MetricsDep, iterate_in_thread
-from agent.worker import QueueFull, WorkerStopped
+from specrag.agent.api_models import ChatCompletionRequest
+from specrag.agent.errors import POST_ERRORS, ApiError, error_body, logger
+from specrag.agent.openai_compat import ChatRun, plan_chat
+from specrag.agent.routes_runs import overloaded
+from specrag.agent.served import AgentDep, LimitsDep, MetricsDep, iterate_in_thread
+from specrag.agent.worker import QueueFull, WorkerStopped
 
 
 class ChatController(Controller):

@@ -18,15 +18,15 @@ from litestar import Controller, Response, post
 from litestar.params import JSONBody
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
-from agent.api_models import AgentRunRequest, ServerLimits
-from agent.errors import POST_ERRORS, ApiError, invalid, logger
-from agent.events import AgentEvent, ErrorEvent, FinalEvent, TokenEvent
-from agent.loop import default_tools
-from agent.metrics import ServerMetrics
-from agent.run_state import RunOptions
-from agent.served import AgentDep, LimitsDep, MetricsDep, ServedAgent, iterate_in_thread
-from agent.worker import QueueFull, WorkerStopped
-from decoding.kv_manager import RequestTooLarge
+from specrag.agent.api_models import AgentRunRequest, ServerLimits
+from specrag.agent.errors import POST_ERRORS, ApiError, invalid, logger
+from specrag.agent.events import AgentEvent, ErrorEvent, FinalEvent, TokenEvent
+from specrag.agent.loop import default_tools
+from specrag.agent.metrics import ServerMetrics
+from specrag.agent.run_state import RunOptions
+from specrag.agent.served import AgentDep, LimitsDep, MetricsDep, ServedAgent, iterate_in_thread
+from specrag.agent.worker import QueueFull, WorkerStopped
+from specrag.decoding.kv_manager import RequestTooLarge
 
 # Failures of a run that are the caller's to act on, as the exceptions the loop's error
 # event carries: busy (503, retry later) or a prompt + max_tokens the KV pool could never hold (400).

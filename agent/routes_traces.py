@@ -10,10 +10,10 @@ from litestar import Controller, MediaType, get
 from litestar.di import NamedDependency, Provide
 from litestar.params import FromPath, FromQuery
 
-from agent.errors import ApiError, documented, invalid
-from agent.served import AgentDep, ServedAgent
-from agent.trace_index import MAX_PAGE, STATUSES, TraceSummary, recent, render_index
-from agent.trace_view import render_waterfall
+from specrag.agent.errors import ApiError, documented, invalid
+from specrag.agent.served import AgentDep, ServedAgent
+from specrag.agent.trace_index import MAX_PAGE, STATUSES, TraceSummary, recent, render_index
+from specrag.agent.trace_view import render_waterfall
 
 LIST_ERRORS = documented(400, 401)
 TRACE_ERRORS = documented(401, 404)

@@ -9,13 +9,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from agent.attribution import DEFAULT_MIN_SIMILARITY
-from agent.grounding.check import DEFAULT_MIN_SUPPORTED, GROUNDING_MODES
-from agent.results import ShownPassage, resolve_citations, speculation_summary
-from agent.tool_gate import DEFAULT_MIN_CALL_PROBABILITY, DEFAULT_MIN_TOOL_SIMILARITY, GateVerdict
-from agent.trace import Trace
-from decoding.stats import GenerationStats
-from tools import ToolResult
+from specrag.agent.attribution import DEFAULT_MIN_SIMILARITY
+from specrag.agent.grounding.check import DEFAULT_MIN_SUPPORTED, GROUNDING_MODES
+from specrag.agent.results import ShownPassage, resolve_citations, speculation_summary
+from specrag.agent.tool_gate import DEFAULT_MIN_CALL_PROBABILITY, DEFAULT_MIN_TOOL_SIMILARITY, GateVerdict
+from specrag.agent.trace import Trace
+from specrag.decoding.stats import GenerationStats
+from specrag.tools import ToolResult
 
 CITATION_MODES = ("model", "attribute")
 

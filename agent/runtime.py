@@ -17,20 +17,20 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from agent.events import AgentEvent
-from agent.loop import AgentLoop, RunOptions
-from agent.tool_gate import ToolRelevance
-from agent.trace import Tracer, TraceStore
-from agent.trace_otel import export_from_env
-from agent.worker import EngineWorker
-from decoding.engine import Engine
-from decoding.grammar import Grammar
-from decoding.model import CausalLM, load_model
-from decoding.prefix_cache import PrefixCache
-from decoding.request import GenerationEvent, GenerationRequest
-from retrieval.embed import Embedder
-from tools import Tool, ToolRegistry, search_documents_tool
-from tools.formats import FORMATS, CallFormat
+from specrag.agent.events import AgentEvent
+from specrag.agent.loop import AgentLoop, RunOptions
+from specrag.agent.tool_gate import ToolRelevance
+from specrag.agent.trace import Tracer, TraceStore
+from specrag.agent.trace_otel import export_from_env
+from specrag.agent.worker import EngineWorker
+from specrag.decoding.engine import Engine
+from specrag.decoding.grammar import Grammar
+from specrag.decoding.model import CausalLM, load_model
+from specrag.decoding.prefix_cache import PrefixCache
+from specrag.decoding.request import GenerationEvent, GenerationRequest
+from specrag.retrieval.embed import Embedder
+from specrag.tools import Tool, ToolRegistry, search_documents_tool
+from specrag.tools.formats import FORMATS, CallFormat
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 
@@ -122,7 +122,7 @@ class Agent:
 def _open_index(index: str | os.PathLike[str] | Any) -> Any:
     if index is None or hasattr(index, "search_with_timings"):
         return index
-    from retrieval import Retriever
+    from specrag.retrieval import Retriever
 
     return Retriever.open(Path(index).expanduser())
 

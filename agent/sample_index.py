@@ -11,14 +11,21 @@ from pathlib import Path
 
 
 def sample_index_dir() -> Path:
-    from decoding.packs import cache_root
+    from specrag.decoding.packs import cache_root
 
     return cache_root() / "index" / "sample"
 
 
 def ensure_sample_index(model: str, progress: bool = True) -> Path:
     """The sample-corpus index, built on first use; later calls are an up-to-date no-op."""
-    from retrieval import Chunker, ChunkerSettings, Embedder, build_index, load_sample_corpus, load_token_counter
+    from specrag.retrieval import (
+        Chunker,
+        ChunkerSettings,
+        Embedder,
+        build_index,
+        load_sample_corpus,
+        load_token_counter,
+    )
 
     try:
         counter = load_token_counter(model, progress=progress)  # chunk in the served model's tokens

@@ -14,13 +14,13 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import anyio.to_thread
 from litestar.di import NamedDependency
 
-from agent.api_models import ServerLimits
-from agent.events import AgentEvent
-from agent.metrics import ServerMetrics
-from agent.run_state import RunOptions
-from agent.trace import Tracer
-from decoding.model import CausalLM
-from tools import ToolRegistry
+from specrag.agent.api_models import ServerLimits
+from specrag.agent.events import AgentEvent
+from specrag.agent.metrics import ServerMetrics
+from specrag.agent.run_state import RunOptions
+from specrag.agent.trace import Tracer
+from specrag.decoding.model import CausalLM
+from specrag.tools import ToolRegistry
 
 T = TypeVar("T")
 _DONE = object()

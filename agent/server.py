@@ -10,7 +10,7 @@ run's trace and its waterfall; ``agent/routes_traces.py``), and here ``GET /v1/m
 ``/schema/openapi.json`` (bodies are ``agent/api_models.py``).
 
 The agent, the request limits and the metrics reach the routes as litestar dependencies
-(``Provide``), typed by ``agent.served.ServedAgent``. Blocking work (tokenising, grammar
+(``Provide``), typed by ``specrag.agent.served.ServedAgent``. Blocking work (tokenising, grammar
 compiles, agent runs, generation) runs in worker threads, never on the event loop;
 generation goes through the agent's engine worker, so concurrent requests advance
 together and their number is bounded: a full worker is a 503 with ``Retry-After``. A
@@ -31,13 +31,13 @@ from litestar.di import Provide
 from litestar.middleware import DefineMiddleware
 from litestar.openapi import OpenAPIConfig
 
-from agent.api_models import ServerLimits
-from agent.errors import EXCEPTION_HANDLERS, GET_ERRORS
-from agent.metrics import CONTENT_TYPE, MetricsMiddleware, ServerMetrics
-from agent.routes_chat import ChatController
-from agent.routes_runs import AgentRunController
-from agent.routes_traces import TraceController
-from agent.served import AgentDep, MetricsDep, ServedAgent, StartedDep
+from specrag.agent.api_models import ServerLimits
+from specrag.agent.errors import EXCEPTION_HANDLERS, GET_ERRORS
+from specrag.agent.metrics import CONTENT_TYPE, MetricsMiddleware, ServerMetrics
+from specrag.agent.routes_chat import ChatController
+from specrag.agent.routes_runs import AgentRunController
+from specrag.agent.routes_traces import TraceController
+from specrag.agent.served import AgentDep, MetricsDep, ServedAgent, StartedDep
 
 
 @get("/healthz", summary="Liveness (no auth)")
@@ -66,7 +66,7 @@ def create_app(
     max_steps_limit: int = 8,
 ) -> Litestar:
     """The app over ``agent`` (built with ``concurrent=True`` so requests interleave)."""
-    from agent.server_auth import BearerAuth
+    from specrag.agent.server_auth import BearerAuth
 
     key = api_key if api_key is not None else os.environ.get("SPECRAG_API_KEY") or None
     context = getattr(agent.model.config, "max_position_embeddings", None) or 4096

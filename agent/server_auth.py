@@ -13,7 +13,7 @@ from litestar.connection import ASGIConnection
 from litestar.middleware import AbstractAuthenticationMiddleware, AuthenticationResult
 from litestar.types import ASGIApp
 
-from agent.errors import ApiError
+from specrag.agent.errors import ApiError
 
 OPEN_PATHS = ("/healthz",)
 

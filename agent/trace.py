@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from decoding.stats import CYCLE_STAGES
+from specrag.decoding.stats import CYCLE_STAGES
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class SpeculationCycle:
     committed: int
     duration_s: float | None = None  # None: the sum of the stage seconds below
     source: str | None = None  # the drafter that proposed
-    # One field per decoding.stats.CYCLE_STAGES, in its order (tests/test_trace.py holds them equal).
+    # One field per specrag.decoding.stats.CYCLE_STAGES, in its order (tests/test_trace.py holds them equal).
     draft_s: float = 0.0
     verify_s: float = 0.0
     accept_s: float = 0.0
@@ -92,7 +92,7 @@ class SpeculationCycle:
 
     @classmethod
     def from_engine(cls, info: Any, committed: int) -> SpeculationCycle:
-        """From the engine's ``decoding.stats.CycleInfo`` and the number of tokens the cycle committed."""
+        """From the engine's ``specrag.decoding.stats.CycleInfo`` and the number of tokens the cycle committed."""
         stage = info.stage_seconds
         return cls(
             info.start_ns,

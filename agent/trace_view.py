@@ -21,8 +21,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from agent.trace import CYCLE_EVENT, stage_durations
-from decoding.stats import CYCLE_STAGES
+from specrag.agent.trace import CYCLE_EVENT, stage_durations
+from specrag.decoding.stats import CYCLE_STAGES
 
 LABEL_W = 380  # px for the indented span names and their durations
 BAR_W = 820  # px for the time axis

@@ -17,8 +17,8 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from decoding.engine import Engine
-from decoding.request import GenerationEvent, GenerationRequest
+from specrag.decoding.engine import Engine
+from specrag.decoding.request import GenerationEvent, GenerationRequest
 
 
 class QueueFull(RuntimeError):

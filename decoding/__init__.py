@@ -1,6 +1,6 @@
 """specrag's decoder: token ids in, token ids out. Knows nothing of text or HTTP.
 
-Names are imported lazily (PEP 562), so ``import decoding.packs`` (the CLI's pack list)
+Names are imported lazily (PEP 562), so ``import specrag.decoding.packs`` (the CLI's pack list)
 does not pay for torch and transformers.
 """
 
@@ -15,31 +15,31 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 _EXPORTS = {
-    "greedy_accept": "decoding.acceptance",
-    "speculative_accept": "decoding.acceptance",
-    "speculative_accept_batch": "decoding.acceptance",
-    "Draft": "decoding.drafters",
-    "Drafter": "decoding.drafters",
-    "ModelDrafter": "decoding.drafters",
-    "PromptLookupDrafter": "decoding.drafters",
-    "Engine": "decoding.engine",
-    "Grammar": "decoding.grammar",
-    "GrammarCompiler": "decoding.grammar_compile",
-    "UnsupportedSchemaError": "decoding.grammar_compile",
-    "GenerationEvent": "decoding.request",
-    "GenerationRequest": "decoding.request",
-    "CausalLM": "decoding.model",
-    "load_model": "decoding.model",
-    "PACKS": "decoding.packs",
-    "PackChecksumError": "decoding.packs",
-    "PackError": "decoding.packs",
-    "pull": "decoding.packs",
-    "PrefixCache": "decoding.prefix_cache",
-    "SamplingParams": "decoding.sampling",
-    "probs_from_logits": "decoding.sampling",
-    "GenerationStats": "decoding.stats",
-    "CostModel": "decoding.policy",
-    "PolicyConfig": "decoding.policy",
+    "greedy_accept": "specrag.decoding.acceptance",
+    "speculative_accept": "specrag.decoding.acceptance",
+    "speculative_accept_batch": "specrag.decoding.acceptance",
+    "Draft": "specrag.decoding.drafters",
+    "Drafter": "specrag.decoding.drafters",
+    "ModelDrafter": "specrag.decoding.drafters",
+    "PromptLookupDrafter": "specrag.decoding.drafters",
+    "Engine": "specrag.decoding.engine",
+    "Grammar": "specrag.decoding.grammar",
+    "GrammarCompiler": "specrag.decoding.grammar_compile",
+    "UnsupportedSchemaError": "specrag.decoding.grammar_compile",
+    "GenerationEvent": "specrag.decoding.request",
+    "GenerationRequest": "specrag.decoding.request",
+    "CausalLM": "specrag.decoding.model",
+    "load_model": "specrag.decoding.model",
+    "PACKS": "specrag.decoding.packs",
+    "PackChecksumError": "specrag.decoding.packs",
+    "PackError": "specrag.decoding.packs",
+    "pull": "specrag.decoding.packs",
+    "PrefixCache": "specrag.decoding.prefix_cache",
+    "SamplingParams": "specrag.decoding.sampling",
+    "probs_from_logits": "specrag.decoding.sampling",
+    "GenerationStats": "specrag.decoding.stats",
+    "CostModel": "specrag.decoding.policy",
+    "PolicyConfig": "specrag.decoding.policy",
 }
 
 __all__ = list(_EXPORTS)
@@ -47,5 +47,5 @@ __all__ = list(_EXPORTS)
 
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
-        raise AttributeError(f"module 'decoding' has no attribute {name!r}")
+        raise AttributeError(f"module 'specrag.decoding' has no attribute {name!r}")
     return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from decoding.drafters.base import Draft
-from decoding.sampling import SamplingParams, on_generator_device, probs_from_logits, select_token
+from specrag.decoding.drafters.base import Draft
+from specrag.decoding.sampling import SamplingParams, on_generator_device, probs_from_logits, select_token
 
 # Below this residual mass the target and draft rows agree up to float rounding; the
 # rejection that led here had probability of about this mass, so drawing from p instead

@@ -50,10 +50,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from decoding.fast_paths import SkinnyLinear, even_chunks, onednn_available, uses_specrag_attention
+from specrag.decoding.fast_paths import SkinnyLinear, even_chunks, onednn_available, uses_specrag_attention
 
 if TYPE_CHECKING:
-    from decoding.model import CausalLM
+    from specrag.decoding.model import CausalLM
 
 PROBE_ROWS = (2, 3, 17, 32)  # a product over this many rows against its rows one by one
 ROW_BLOCK = 32  # = max(PROBE_ROWS): the most rows one product takes in row-exact mode
@@ -196,7 +196,7 @@ def verify_matches_steps(lm: CausalLM, seed: int = 0) -> bool:
 def packed_matches_alone(lm: CausalLM, seed: int = 0) -> bool:
     """A step, a verify and a short append of three sequences in one packed forward
     against each sequence's own forward, every logit compared bitwise."""
-    from decoding.packed import Chunk, packed_forward  # packed imports the model module
+    from specrag.decoding.packed import Chunk, packed_forward  # packed imports the model module
 
     generator = torch.Generator().manual_seed(seed)
     contexts = [torch.randint(0, lm.vocab_size, (length,), generator=generator).tolist() for length in (40, 7, 23)]

@@ -18,12 +18,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from decoding import policy as policies
-from decoding.acceptance import accept_draft
-from decoding.drafters import Draft
-from decoding.request import apply_processors
-from decoding.sequence import SequenceState
-from decoding.step_driver import Cycle, ForwardNeed, RowProcessor
+from specrag.decoding import policy as policies
+from specrag.decoding.acceptance import accept_draft
+from specrag.decoding.drafters import Draft
+from specrag.decoding.request import apply_processors
+from specrag.decoding.sequence import SequenceState
+from specrag.decoding.step_driver import Cycle, ForwardNeed, RowProcessor
 
 ForwardObserver = Callable[[int, float], None]  # (tokens forwarded, perf_counter at the start)
 

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from decoding import packs
-from decoding.batch_invariance import find_row_exact_setting
-from decoding.fast_paths import SkinnyLinear
+from specrag.decoding import packs
+from specrag.decoding.batch_invariance import find_row_exact_setting
+from specrag.decoding.fast_paths import SkinnyLinear
 
 VERIFY_ROWS = 9
 # Bumped whenever SkinnyLinear's product forms change, so a cached timing of the old forms

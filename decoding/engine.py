@@ -42,27 +42,27 @@ from collections.abc import Generator, Iterator
 
 import torch
 
-from decoding import policy as policies
-from decoding.cycles import decode_cycle, grammar_accept, next_mask, no_draft, row_processor
-from decoding.drafters import Draft, Drafter, ModelDrafter
-from decoding.drafters.model_drafter import SOURCE as MODEL_SOURCE
-from decoding.forward_timer import ForwardTimer, prompt_costs
-from decoding.grammar import GrammarState
-from decoding.kv_manager import KVManager
-from decoding.model import PREFILL_CHUNK_TOKENS, CausalLM, prompt_chunk_end
-from decoding.policy import CostModel, Decision, PolicyConfig, RequestPolicy
-from decoding.prefix_cache import PrefixCache
-from decoding.request import (
+from specrag.decoding import policy as policies
+from specrag.decoding.cycles import decode_cycle, grammar_accept, next_mask, no_draft, row_processor
+from specrag.decoding.drafters import Draft, Drafter, ModelDrafter
+from specrag.decoding.drafters.model_drafter import SOURCE as MODEL_SOURCE
+from specrag.decoding.forward_timer import ForwardTimer, prompt_costs
+from specrag.decoding.grammar import GrammarState
+from specrag.decoding.kv_manager import KVManager
+from specrag.decoding.model import PREFILL_CHUNK_TOKENS, CausalLM, prompt_chunk_end
+from specrag.decoding.policy import CostModel, Decision, PolicyConfig, RequestPolicy
+from specrag.decoding.prefix_cache import PrefixCache
+from specrag.decoding.request import (
     DrafterKind,
     GenerationEvent,
     GenerationRequest,
     speculation_supported,
     validate,
 )
-from decoding.sampling import select_token
-from decoding.sequence import SequenceState, make_drafters
-from decoding.stats import CycleInfo, GenerationStats, StatsMark
-from decoding.step_driver import Cycle, CycleResult, ForwardNeed, StepBatch
+from specrag.decoding.sampling import select_token
+from specrag.decoding.sequence import SequenceState, make_drafters
+from specrag.decoding.stats import CycleInfo, GenerationStats, StatsMark
+from specrag.decoding.step_driver import Cycle, CycleResult, ForwardNeed, StepBatch
 
 __all__ = ["Engine", "GenerationEvent", "GenerationRequest"]
 

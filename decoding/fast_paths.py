@@ -1,6 +1,6 @@
 """Fast paths for the forwards speculative decoding makes (CPU first), and the row-exact mode.
 
-Speed. Measured on this project's AVX2 machine (``python -m evals.bench_forward`` and the
+Speed. Measured on this project's AVX2 machine (``python -m specrag.evals.bench.forward`` and the
 numbers in the docs), two things made a verify forward over k = 2..16 tokens cost far
 more than a one-token step, although both read the same weights:
 
@@ -78,7 +78,7 @@ class SkinnyLinear(torch.nn.Linear):
     of W one at a time and is summed in float32 in that order. With ``min_rows`` 2, a
     one-row product is computed as two copies of the row: on the AMX machine oneDNN's
     one-row bf16 kernel was 1.2-1.7x slower than its two-row one for every shape of the
-    1.5B (``evals/bench_forward.py``); row-exactness makes the padded row's bits the same.
+    1.5B (``evals/bench/forward.py``); row-exactness makes the padded row's bits the same.
 
     With ``row_block`` set, a product over more rows is computed in blocks of that many:
     on the AMX Xeon oneDNN's bf16 kernel gives a row the same bits in any product of 2..32
@@ -373,7 +373,7 @@ def install_fast_paths(model: torch.nn.Module) -> torch.nn.Module:
     (``weight_major`` is float32 only, and the row-exact probes decide the rest) and the
     attention is what lets one packed forward carry many sequences: on an H200 a packed
     bf16 step passed the probes where one forward per sequence cost B launches' time
-    (``evals/bench_cuda.py``)."""
+    (``evals/bench/cuda.py``)."""
     for module in model.modules():
         if type(module) is torch.nn.Linear:
             module.__class__ = SkinnyLinear

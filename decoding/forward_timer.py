@@ -7,9 +7,9 @@ import weakref
 
 import torch
 
-from decoding.kv import SequenceKV
-from decoding.model import CausalLM
-from decoding.policy import BUDGET_TOKEN_COUNTS
+from specrag.decoding.kv import SequenceKV
+from specrag.decoding.model import CausalLM
+from specrag.decoding.policy import BUDGET_TOKEN_COUNTS
 
 _CALIBRATION_CONTEXT = 256  # tokens of synthetic context the cost model is measured at
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import xgrammar as xgr
 
-from decoding.drafters.base import Draft, FreeDrafter
+from specrag.decoding.drafters.base import Draft, FreeDrafter
 
 FORCED_SOURCE = "grammar"
 _BITS = torch.arange(32, dtype=torch.int32)

@@ -25,9 +25,9 @@ from typing import Any
 
 import xgrammar as xgr
 
-from decoding.grammar import Grammar
-from decoding.schema_merge import UnsupportedSchemaError, canonical_json
-from decoding.schema_support import check_schema, enforceable_schema
+from specrag.decoding.grammar import Grammar
+from specrag.decoding.schema_merge import UnsupportedSchemaError, canonical_json
+from specrag.decoding.schema_support import check_schema, enforceable_schema
 
 __all__ = [
     "BARE_CALLS",

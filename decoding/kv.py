@@ -23,8 +23,8 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer
 
-from decoding.fast_paths import ROW_EXACT_KEY_BUCKET
-from decoding.kv_pool import KVPool
+from specrag.decoding.fast_paths import ROW_EXACT_KEY_BUCKET
+from specrag.decoding.kv_pool import KVPool
 
 # Capacities are multiples of this (a multiple of ROW_EXACT_KEY_BUCKET): row-exact
 # attention reads masked padding up to the next bucket from the buffer itself.

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from decoding.kv import SequenceKV, pageable
-from decoding.kv_pool import KVPool
-from decoding.model import CausalLM
-from decoding.prefix_cache import PrefixCache
-from decoding.request import GenerationRequest
+from specrag.decoding.kv import SequenceKV, pageable
+from specrag.decoding.kv_pool import KVPool
+from specrag.decoding.model import CausalLM
+from specrag.decoding.prefix_cache import PrefixCache
+from specrag.decoding.request import GenerationRequest
 
 
 class RequestTooLarge(ValueError):

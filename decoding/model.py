@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from decoding import dtype_choice, packs
-from decoding.fast_paths import install_fast_paths, uses_specrag_attention
-from decoding.kv import SequenceKV
+from specrag.decoding import dtype_choice, packs
+from specrag.decoding.fast_paths import install_fast_paths, uses_specrag_attention
+from specrag.decoding.kv import SequenceKV
 
 if TYPE_CHECKING:
-    from decoding.grammar_compile import GrammarCompiler
+    from specrag.decoding.grammar_compile import GrammarCompiler
 
 # Prompts are prefilled in chunks that end on multiples of this many positions: a long
 # prompt never needs one giant activation tensor, the engine spreads it over steps
@@ -89,7 +89,7 @@ class CausalLM:
         # other rows: a packed step then gives each sequence its own forward's logits.
         self.linears_row_exact = False
         if fast_paths and row_exact:
-            from decoding.batch_invariance import enable_row_exact
+            from specrag.decoding.batch_invariance import enable_row_exact
 
             enable_row_exact(self)
 
@@ -125,7 +125,7 @@ class CausalLM:
         """Compiles JSON-schema and tool-call grammars for this model's vocabulary (cached)."""
         if self.tokenizer is None:
             raise ValueError(f"model {self.name!r} has no tokenizer: grammars need its vocabulary")
-        from decoding.grammar_compile import GrammarCompiler
+        from specrag.decoding.grammar_compile import GrammarCompiler
 
         return GrammarCompiler.for_tokenizer(self.tokenizer, self.vocab_size)
 
@@ -153,7 +153,7 @@ class CausalLM:
         if not token_ids:
             raise ValueError("forward needs at least one token")
         if self.packs_prompts:  # the call a packed step makes for it, so alone = beside others
-            from decoding.packed import Chunk, packed_forward
+            from specrag.decoding.packed import Chunk, packed_forward
 
             return packed_forward(self, [Chunk(kv, token_ids, last_only=last_only)])[0]
         ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # stock attention
@@ -166,7 +166,7 @@ class CausalLM:
         (``fast_paths.attend_prompt_blocks``) where the packed call works; the last row's logits [1, V]."""
         if not self.packs_prompts:
             return self.forward(kv, token_ids, last_only=True)
-        from decoding.packed import Chunk, packed_forward  # packed calls back into this model
+        from specrag.decoding.packed import Chunk, packed_forward  # packed calls back into this model
 
         return packed_forward(self, [Chunk(kv, token_ids, prompt=True, last_only=True)])[0]
 

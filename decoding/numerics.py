@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.model import CausalLM
+from specrag.decoding.model import CausalLM
 
 BF16_SIGNIFICAND_BITS = 8  # 7 stored + the implicit bit
 

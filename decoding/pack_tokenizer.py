@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO
 
-from decoding import packs
+from specrag.decoding import packs
 
 _GGUF_MAGIC = b"GGUF"
 _FIXED_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # by GGUF value type

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.fast_paths import PACKED_KWARG, PROMPT_ROWS, ROW_EXACT_KWARG
-from decoding.kv import SequenceKV
-from decoding.model import CausalLM
+from specrag.decoding.fast_paths import PACKED_KWARG, PROMPT_ROWS, ROW_EXACT_KWARG
+from specrag.decoding.kv import SequenceKV
+from specrag.decoding.model import CausalLM
 
 
 @dataclass(frozen=True)

@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from decoding.kv import SequenceKV
-from decoding.kv_pool import DEFAULT_BLOCK_TOKENS, KVPool
+from specrag.decoding.kv import SequenceKV
+from specrag.decoding.kv_pool import DEFAULT_BLOCK_TOKENS, KVPool
 
 if TYPE_CHECKING:
-    from decoding.model import CausalLM
+    from specrag.decoding.model import CausalLM
 
 
 @dataclass

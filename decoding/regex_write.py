@@ -4,7 +4,7 @@ would reach characters outside ``regex_dfa.ALPHABET``."""
 
 from __future__ import annotations
 
-from decoding.regex_dfa import DFA, MAX_REGEX_CHARS, RegexUnsupported
+from specrag.decoding.regex_dfa import DFA, MAX_REGEX_CHARS, RegexUnsupported
 
 # A regex tree: ("set", chars) | ("cat", parts) | ("alt", parts) | ("star", node) | ("opt", node)
 Node = tuple

@@ -8,10 +8,10 @@ from typing import Literal, Protocol
 
 import torch
 
-from decoding.grammar import Grammar
-from decoding.policy import SPECULATION_MODES, Speculation
-from decoding.sampling import SamplingParams
-from decoding.stats import CycleInfo, GenerationStats
+from specrag.decoding.grammar import Grammar
+from specrag.decoding.policy import SPECULATION_MODES, Speculation
+from specrag.decoding.sampling import SamplingParams
+from specrag.decoding.stats import CycleInfo, GenerationStats
 
 DrafterKind = Literal["lookup", "model", "both"]  # both: lookup first, the draft model when it has nothing
 

@@ -31,7 +31,7 @@ import itertools
 from collections.abc import Iterator
 from typing import Any
 
-from decoding.schema_merge import (
+from specrag.decoding.schema_merge import (
     LITERALS,
     MAX_BRANCHES,
     NAME_MAPS,
@@ -48,7 +48,7 @@ from decoding.schema_merge import (
     types_overlap,
     validation_keys,
 )
-from decoding.schema_rewrites import (
+from specrag.decoding.schema_rewrites import (
     finalize,
     rewrite_dependencies,
     rewrite_not,
@@ -56,7 +56,7 @@ from decoding.schema_rewrites import (
     rewrite_tuple_items,
     rewrite_unique_items,
 )
-from decoding.schema_strings import rewrite_strings, string_only, strings_exclusive
+from specrag.decoding.schema_strings import rewrite_strings, string_only, strings_exclusive
 
 _NODE_REWRITES = (rewrite_tuple_items, rewrite_unique_items, rewrite_not, rewrite_dependencies)
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from decoding.schema_merge import (
+from specrag.decoding.schema_merge import (
     EXTERNAL,
     LITERALS,
     NAME_MAPS,

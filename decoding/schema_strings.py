@@ -28,10 +28,10 @@ import re._parser as sre_parse
 from collections.abc import Callable
 from typing import Any
 
-from decoding import regex_dfa
-from decoding.regex_dfa import DFA, RegexUnsupported
-from decoding.regex_write import to_regex
-from decoding.schema_merge import Unsatisfiable, UnsupportedSchemaError, validation_keys
+from specrag.decoding import regex_dfa
+from specrag.decoding.regex_dfa import DFA, RegexUnsupported
+from specrag.decoding.regex_write import to_regex
+from specrag.decoding.schema_merge import Unsatisfiable, UnsupportedSchemaError, validation_keys
 
 Inline = Callable[[dict[str, Any], str], dict[str, Any]]
 

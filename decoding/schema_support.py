@@ -14,8 +14,8 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from decoding.schema_merge import UnsupportedSchemaError
-from decoding.schema_normalize import normalize_schema
+from specrag.decoding.schema_merge import UnsupportedSchemaError
+from specrag.decoding.schema_normalize import normalize_schema
 
 # Parsed but not enforced by xgrammar 0.2.9 (see tests/test_grammar_compile.py); if/then/else,
 # allOf and oneOf are rewritten by normalize_schema or refused there.

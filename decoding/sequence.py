@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.drafters import Drafter, ModelDrafter, PromptLookupDrafter
-from decoding.grammar import GrammarForcedDrafter, GrammarState
-from decoding.kv import SequenceKV
-from decoding.model import CausalLM
-from decoding.policy import RequestPolicy
-from decoding.prefix_cache import PrefixCache
-from decoding.request import DrafterKind, GenerationRequest, apply_processors
-from decoding.stats import GenerationStats
+from specrag.decoding.drafters import Drafter, ModelDrafter, PromptLookupDrafter
+from specrag.decoding.grammar import GrammarForcedDrafter, GrammarState
+from specrag.decoding.kv import SequenceKV
+from specrag.decoding.model import CausalLM
+from specrag.decoding.policy import RequestPolicy
+from specrag.decoding.prefix_cache import PrefixCache
+from specrag.decoding.request import DrafterKind, GenerationRequest, apply_processors
+from specrag.decoding.stats import GenerationStats
 
 
 @dataclass

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from decoding.grammar import mask_logits
-from decoding.kv import SequenceKV
-from decoding.model import CausalLM
-from decoding.packed import Chunk, packed_forward
+from specrag.decoding.grammar import mask_logits
+from specrag.decoding.kv import SequenceKV
+from specrag.decoding.model import CausalLM
+from specrag.decoding.packed import Chunk, packed_forward
 
 RowProcessor = Callable[[torch.Tensor], torch.Tensor]  # a sequence's logits processors over its rows
 

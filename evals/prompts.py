@@ -8,7 +8,7 @@ and open questions without retrieval. The case type and its encoding live in
 
 from __future__ import annotations
 
-from agent.sample_prompts import SYSTEM, PromptCase, corpus_passage, encode_case
+from specrag.agent.sample_prompts import SYSTEM, PromptCase, corpus_passage, encode_case
 
 __all__ = ["BENCH_CASES", "PARITY_CASES", "SYSTEM", "PromptCase", "corpus_passage", "encode_case"]
 

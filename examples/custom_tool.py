@@ -16,8 +16,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from agent.runtime import Agent
-from tools import tool
+from specrag.agent.runtime import Agent
+from specrag.tools import tool
 
 
 @tool(timeout_s=5)

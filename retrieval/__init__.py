@@ -5,11 +5,11 @@ Heavy dependencies (torch, sentence-transformers, faiss, bs4, bm25s) are importe
 used, so importing this package stays cheap.
 """
 
-import decoding  # noqa: F401  (first: it sets HF_HUB_OFFLINE before any hub library loads)
-from retrieval.build import BuildReport, build_index
-from retrieval.chunking import Chunk, Chunker, ChunkerSettings, chunk_text, whitespace_tokens
-from retrieval.embed import MODEL_DIM, MODEL_NAME, Embedder, EmbedderLike, EmbeddingModelError, ensure_model
-from retrieval.loaders import (
+from specrag import decoding  # noqa: F401  (first: it sets HF_HUB_OFFLINE before any hub library loads)
+from specrag.retrieval.build import BuildReport, build_index
+from specrag.retrieval.chunking import Chunk, Chunker, ChunkerSettings, chunk_text, whitespace_tokens
+from specrag.retrieval.embed import MODEL_DIM, MODEL_NAME, Embedder, EmbedderLike, EmbeddingModelError, ensure_model
+from specrag.retrieval.loaders import (
     DEFAULT_MAX_BYTES,
     Corpus,
     Document,
@@ -19,9 +19,9 @@ from retrieval.loaders import (
     load_folder,
     load_sample_corpus,
 )
-from retrieval.retriever import Passage, Retriever, SearchTimings
-from retrieval.store import IndexLoadError, IndexLockedError, IndexVersion, StoredChunk, load_index
-from retrieval.tokens import TokenCounter, load_token_counter
+from specrag.retrieval.retriever import Passage, Retriever, SearchTimings
+from specrag.retrieval.store import IndexLoadError, IndexLockedError, IndexVersion, StoredChunk, load_index
+from specrag.retrieval.tokens import TokenCounter, load_token_counter
 
 __all__ = [
     "DEFAULT_MAX_BYTES",

@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from retrieval import store
-from retrieval.chunking import Chunker
-from retrieval.embed import EmbedderLike
-from retrieval.loaders import Corpus, Document, SkippedFile
-from retrieval.store import IndexLoadError, IndexVersion, StoredChunk
+from specrag.retrieval import store
+from specrag.retrieval.chunking import Chunker
+from specrag.retrieval.embed import EmbedderLike
+from specrag.retrieval.loaders import Corpus, Document, SkippedFile
+from specrag.retrieval.store import IndexLoadError, IndexVersion, StoredChunk
 
 logger = logging.getLogger(__name__)
 

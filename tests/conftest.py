@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from decoding.model import CausalLM, load_model
+from specrag.decoding.model import CausalLM, load_model
 
 
 def tiny_causal_lm(
@@ -56,7 +56,7 @@ def smollm2() -> CausalLM:
 @pytest.fixture
 def packed_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The number of sequences in each packed forward the engine makes during the test."""
-    from decoding import step_driver
+    from specrag.decoding import step_driver
 
     sizes: list[int] = []
     real = step_driver.packed_forward

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retrieval import (
+from specrag.retrieval import (
     BuildReport,
     Chunker,
     ChunkerSettings,

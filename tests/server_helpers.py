@@ -8,10 +8,10 @@ from typing import Any
 
 import httpx
 
-from agent.live_server import LiveServer, wait_until
-from agent.runtime import Agent
-from decoding.model import CausalLM
-from retrieval import Retriever
+from specrag.agent.live_server import LiveServer, wait_until
+from specrag.agent.runtime import Agent
+from specrag.decoding.model import CausalLM
+from specrag.retrieval import Retriever
 from tests.retrieval_helpers import sample_index, shared_embedder
 
 

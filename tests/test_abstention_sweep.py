@@ -1,4 +1,4 @@
-"""The answerability gate's trade-off curve from recorded P(no) values (evals/abstention.py)."""
+"""The answerability gate's trade-off curve from recorded P(no) values (evals/groundedness/abstention.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from evals.abstention import auroc, choose_threshold, main, rates, split, sweep_report
+from specrag.evals.groundedness.abstention import auroc, choose_threshold, main, rates, split, sweep_report
 
 
 def record(id_: str, answerable: bool, p: float | None, abstained: bool = False) -> dict:
@@ -68,8 +68,8 @@ def test_sweep_report_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 
 def test_answerability_study_swaps_the_wording_and_restores_it() -> None:
-    from agent import answerability
-    from evals.answerability_study import measure, summarize
+    from specrag.agent import answerability
+    from specrag.evals.studies.answerability import measure, summarize
 
     class WordingEcho:  # reports P(no) by wording, the way the probe would read PROBE
         def run(self, question: str, **options: object) -> dict:

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decoding.acceptance import greedy_accept, speculative_accept
+from specrag.decoding.acceptance import greedy_accept, speculative_accept
 
 
 def _one_hot_logits(choices: list[int], vocab: int = 8) -> torch.Tensor:

@@ -16,10 +16,10 @@ import pytest
 import scipy.stats
 import torch
 
-from decoding import acceptance
-from decoding.acceptance import speculative_accept_batch
-from decoding.grammar import mask_logits, pack_allowed
-from decoding.sampling import SamplingParams, probs_from_logits
+from specrag.decoding import acceptance
+from specrag.decoding.acceptance import speculative_accept_batch
+from specrag.decoding.grammar import mask_logits, pack_allowed
+from specrag.decoding.sampling import SamplingParams, probs_from_logits
 
 CYCLES = 50_000
 HASH_MODULUS = 7919  # prefixes hash to this many rows; state 0 is the empty prefix

@@ -6,16 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from agent.events import TokenEvent
-from agent.loop import AgentLoop, RunOptions, ShownPassage, default_tools
-from agent.results import resolve_citations
-from agent.runtime import Agent
-from agent.trace import Tracer, TraceStore, stages_cover_run
-from decoding.model import CausalLM
-from retrieval import Retriever
+from specrag.agent.events import TokenEvent
+from specrag.agent.loop import AgentLoop, RunOptions, ShownPassage, default_tools
+from specrag.agent.results import resolve_citations
+from specrag.agent.runtime import Agent
+from specrag.agent.trace import Tracer, TraceStore, stages_cover_run
+from specrag.decoding.model import CausalLM
+from specrag.retrieval import Retriever
+from specrag.tools import ToolRegistry, search_documents_tool
 from tests.agent_helpers import Scripted, add, call, explode, slow_lookup
 from tests.retrieval_helpers import sample_index, shared_embedder
-from tools import ToolRegistry, search_documents_tool
 
 
 @pytest.fixture(scope="module")

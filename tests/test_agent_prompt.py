@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agent.prompt import PromptParts, build_messages, encode_messages
-from decoding.model import CausalLM
-from decoding.prefix_cache import PrefixCache, prefill_cached
+from specrag.agent.prompt import PromptParts, build_messages, encode_messages
+from specrag.decoding.model import CausalLM
+from specrag.decoding.prefix_cache import PrefixCache, prefill_cached
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from agent.answerability import ABSTENTION, PROBE, AnswerTokens, NextTokenLogits, p_unanswerable, probe_messages
-from agent.loop import RunOptions
-from agent.prompt import PromptParts, build_messages, encode_messages
-from agent.results import ShownPassage
-from agent.runtime import Agent
-from decoding.model import CausalLM
-from retrieval import Retriever
+from specrag.agent.answerability import ABSTENTION, PROBE, AnswerTokens, NextTokenLogits, p_unanswerable, probe_messages
+from specrag.agent.loop import RunOptions
+from specrag.agent.prompt import PromptParts, build_messages, encode_messages
+from specrag.agent.results import ShownPassage
+from specrag.agent.runtime import Agent
+from specrag.decoding.model import CausalLM
+from specrag.retrieval import Retriever
 from tests.retrieval_helpers import sample_index, shared_embedder
 
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from agent.attribution import Attributor, attribution_record, sentence_spans, strip_markers, with_marker
-from agent.loop import RunOptions
+from specrag.agent.attribution import Attributor, attribution_record, sentence_spans, strip_markers, with_marker
+from specrag.agent.loop import RunOptions
 
 _WORD = re.compile(r"[a-z0-9]+")
 
@@ -113,7 +113,7 @@ def test_a_passage_is_embedded_once_across_runs() -> None:
 
 
 def test_with_the_real_embedder_a_paraphrase_cites_its_source() -> None:
-    from retrieval import Embedder
+    from specrag.retrieval import Embedder
 
     passages = [
         Shown("P1", "x#0", "Strings are immutable sequences of Unicode code points."),
@@ -137,7 +137,7 @@ def test_run_options_validate_the_citation_mode_and_threshold() -> None:
 
 
 def test_the_sweep_re_cites_saved_answers_and_picks_the_lowest_threshold_meeting_the_target() -> None:
-    from evals.attribution_sweep import choose, sweep
+    from specrag.evals.studies.attribution_sweep import choose, sweep
 
     record = {
         "passages": [{"label": p.label, "id": p.id, "text": p.text} for p in PASSAGES],

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from decoding.engine import Engine
-from decoding.model import CausalLM
-from decoding.request import GenerationRequest
-from decoding.sampling import SamplingParams
+from specrag.decoding.engine import Engine
+from specrag.decoding.model import CausalLM
+from specrag.decoding.request import GenerationRequest
+from specrag.decoding.sampling import SamplingParams
 
 SCHEMA = {
     "type": "object",

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoding import batch_invariance, dtype_choice, fast_paths
-from decoding.batch_invariance import enable_row_exact, find_row_exact_chunking, verify_matches_steps
-from decoding.dtype_choice import DtypeCost, auto_cpu_dtype, cached_costs, choose, linear_shapes
-from decoding.fast_paths import SkinnyLinear, even_chunks
-from decoding.model import load_model, resolve_dtype
+from specrag.decoding import batch_invariance, dtype_choice, fast_paths
+from specrag.decoding.batch_invariance import enable_row_exact, find_row_exact_chunking, verify_matches_steps
+from specrag.decoding.dtype_choice import DtypeCost, auto_cpu_dtype, cached_costs, choose, linear_shapes
+from specrag.decoding.fast_paths import SkinnyLinear, even_chunks
+from specrag.decoding.model import load_model, resolve_dtype
 from tests.conftest import tiny_causal_lm
 
 DTYPES = (torch.bfloat16, torch.float64, torch.float32)
@@ -318,7 +318,7 @@ def _linears(model: torch.nn.Module) -> list[SkinnyLinear]:
 
 
 def test_cache_buffers_are_zeroed_and_bucket_aligned_so_padding_is_read_in_place() -> None:
-    from decoding.kv import GrowableLayer
+    from specrag.decoding.kv import GrowableLayer
 
     layer = GrowableLayer()
     states = torch.randn(1, 2, 5, 4)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from decoding.model import CausalLM
-from evals import bench_decode, workloads
+from specrag.decoding.model import CausalLM
+from specrag.evals import workloads
+from specrag.evals.bench import decode as bench_decode
 
 
 def test_every_workload_file_loads_and_builds_a_prompt(smollm2: CausalLM) -> None:
@@ -62,8 +63,8 @@ def test_quick_benchmark_writes_json_and_plot(smollm2: CausalLM, tmp_path: Path)
 
 @pytest.mark.slow
 def test_the_matrix_samples_when_asked_with_one_seed_per_repeat(smollm2: CausalLM, tmp_path: Path) -> None:
-    from decoding.sampling import SamplingParams
-    from evals.bench_runs import MethodRunner
+    from specrag.decoding.sampling import SamplingParams
+    from specrag.evals.bench.runs import MethodRunner
 
     json_path = tmp_path / "bench.json"
     args = ["--quick", "--dtype", "float32", "--temperature", "0.8", "--top-p", "0.95", "--json", str(json_path)]
@@ -80,7 +81,7 @@ def test_the_matrix_samples_when_asked_with_one_seed_per_repeat(smollm2: CausalL
 
 @pytest.mark.slow
 def test_the_serving_benchmark_replays_one_trace_per_rate_for_every_mode(tmp_path: Path) -> None:
-    from evals import bench_serve
+    from specrag.evals.bench import serve as bench_serve
 
     trace = bench_serve.arrival_trace(4.0, 30.0, ["a", "b"], seed=1)
     assert trace == bench_serve.arrival_trace(4.0, 30.0, ["a", "b"], seed=1)  # the same arrivals per mode

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from evals.calibrate_claims import PROMETHEUS_SETS
+from specrag.evals.studies.calibrate_claims import PROMETHEUS_SETS
 
 CORPUS = Path(__file__).resolve().parent.parent / "evals" / "datasets" / "corpora" / "prometheus_docs"
 FIELDS = {"id", "corpus", "split", "question", "passages", "answer", "about", "label", "kind", "note"}

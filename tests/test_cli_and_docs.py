@@ -9,14 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from decoding.model import CausalLM
+from specrag.decoding.model import CausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def specrag(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "agent.cli", *args], capture_output=True, text=True, cwd=ROOT, check=False, timeout=600
+        [sys.executable, "-m", "specrag.agent.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+        timeout=600,
     )
 
 

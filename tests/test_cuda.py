@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding.acceptance import speculative_accept
-from decoding.engine import Engine
-from decoding.grammar import mask_logits, pack_allowed
-from decoding.model import CausalLM
-from decoding.request import GenerationRequest
-from decoding.sampling import SamplingParams
+from specrag.decoding.acceptance import speculative_accept
+from specrag.decoding.engine import Engine
+from specrag.decoding.grammar import mask_logits, pack_allowed
+from specrag.decoding.model import CausalLM
+from specrag.decoding.request import GenerationRequest
+from specrag.decoding.sampling import SamplingParams
 from tests.conftest import tiny_causal_lm
 
 pytestmark = [

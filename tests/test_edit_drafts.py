@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from decoding.drafters import PromptLookupDrafter
-from decoding.drafters.edits import MAX_GAP, EditTracker
+from specrag.decoding.drafters import PromptLookupDrafter
+from specrag.decoding.drafters.edits import MAX_GAP, EditTracker
 
 OLD, NEW = [50, 51], [60]
 CODE = [1, 2, 3, *OLD, 4, 5, 6, 7, *OLD, 8, 9, 10, 11, *OLD, 12, 13, 14, 15, *OLD, 16, 17, 18, 19, 20]

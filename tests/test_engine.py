@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decoding import Engine, GenerationRequest, SamplingParams
+from specrag.decoding import Engine, GenerationRequest, SamplingParams
 from tests.conftest import tiny_causal_lm
 
 VOCAB = 48

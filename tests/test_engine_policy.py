@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from decoding import Engine, GenerationRequest
-from decoding.policy import CostModel, PolicyConfig
+from specrag.decoding import Engine, GenerationRequest
+from specrag.decoding.policy import CostModel, PolicyConfig
 from tests.conftest import tiny_causal_lm
 from tests.test_engine import POOR_DRAFT, TARGET, VOCAB, plain_reference, repetitive_prompt, run, speculative_runs
 

@@ -14,11 +14,11 @@ import scipy.stats
 import torch
 import xgrammar as xgr
 
-from decoding import Engine, GenerationRequest, SamplingParams, acceptance, step_driver
-from decoding.grammar import Grammar, GrammarState
-from decoding.grammar_compile import GrammarCompiler
-from decoding.model import CausalLM
-from decoding.sampling import probs_from_logits
+from specrag.decoding import Engine, GenerationRequest, SamplingParams, acceptance, step_driver
+from specrag.decoding.grammar import Grammar, GrammarState
+from specrag.decoding.grammar_compile import GrammarCompiler
+from specrag.decoding.model import CausalLM
+from specrag.decoding.sampling import probs_from_logits
 from tests.conftest import tiny_causal_lm
 
 VOCAB = 6

@@ -12,12 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from agent.attribution import DEFAULT_MIN_SIMILARITY
-from agent.cli import main as cli_main
-from agent.grounding.text_match import whitespace_normalized
-from evals.abstention import main as abstention_main
-from evals.run import DEFAULT_DATASET, KINDS, DatasetError, _effective_min_similarity, gate, load_dataset, quick_subset
-from retrieval import load_sample_corpus
+from specrag.agent.attribution import DEFAULT_MIN_SIMILARITY
+from specrag.agent.cli import main as cli_main
+from specrag.agent.grounding.text_match import whitespace_normalized
+from specrag.evals.groundedness.abstention import main as abstention_main
+from specrag.evals.groundedness.run import (
+    DEFAULT_DATASET,
+    KINDS,
+    DatasetError,
+    _effective_min_similarity,
+    gate,
+    load_dataset,
+    quick_subset,
+)
+from specrag.retrieval import load_sample_corpus
 from tests.retrieval_helpers import sample_index
 
 

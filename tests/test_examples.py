@@ -8,7 +8,7 @@ from types import ModuleType
 
 import pytest
 
-from tools import ToolRegistry, run_tool_sync
+from specrag.tools import ToolRegistry, run_tool_sync
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from decoding import policy as policies
-from decoding.engine import Engine
-from decoding.grammar import GrammarState, allowed_tokens, mask_logits, pack_allowed
-from decoding.grammar_compile import GrammarCompiler, UnsupportedSchemaError
-from decoding.request import GenerationRequest
-from decoding.sampling import SamplingParams
+from specrag.decoding import policy as policies
+from specrag.decoding.engine import Engine
+from specrag.decoding.grammar import GrammarState, allowed_tokens, mask_logits, pack_allowed
+from specrag.decoding.grammar_compile import GrammarCompiler, UnsupportedSchemaError
+from specrag.decoding.request import GenerationRequest
+from specrag.decoding.sampling import SamplingParams
 from tests.conftest import tiny_causal_lm
 
 VOCAB = [*'{}[]":, ', *"0123456789", *"abcdefghijklmnopqrstuvwxyz", ".", "-", "\n", ""]

@@ -15,11 +15,11 @@ import jsonschema
 import pytest
 from pydantic import Field
 
-from decoding.engine import Engine
-from decoding.model import CausalLM
-from decoding.request import GenerationRequest
-from decoding.sampling import SamplingParams
-from tools import ToolRegistry, parse_tool_call, tool, validate_call
+from specrag.decoding.engine import Engine
+from specrag.decoding.model import CausalLM
+from specrag.decoding.request import GenerationRequest
+from specrag.decoding.sampling import SamplingParams
+from specrag.tools import ToolRegistry, parse_tool_call, tool, validate_call
 
 pytestmark = pytest.mark.slow
 

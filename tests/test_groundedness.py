@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from agent.grounding import GroundednessScorer, ScorerSettings, citation_scores, score
-from evals.calibrate_groundedness import evaluate, load
+from specrag.agent.grounding import GroundednessScorer, ScorerSettings, citation_scores, score
+from specrag.evals.studies.calibrate_groundedness import evaluate, load
 
 WITH = (
     'The "with" statement is used to wrap the execution of a block with methods defined by a context manager. '

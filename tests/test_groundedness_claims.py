@@ -8,10 +8,10 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from agent.answerability import AnswerTokens
-from agent.grounding import GroundednessScorer, ScorerSettings
-from agent.grounding import text_match as tm
-from agent.grounding.support_judge import SupportJudge, judge_messages, p_yes
+from specrag.agent.answerability import AnswerTokens
+from specrag.agent.grounding import GroundednessScorer, ScorerSettings
+from specrag.agent.grounding import text_match as tm
+from specrag.agent.grounding.support_judge import SupportJudge, judge_messages, p_yes
 
 
 class FixedJudge:
@@ -216,7 +216,7 @@ def test_short_answers_agree_on_numbers_whole_words_or_half_their_words(given: s
 
 
 def test_the_eval_scores_an_answer_against_its_question(scorer: GroundednessScorer) -> None:
-    from evals.eval_metrics import answer_scores
+    from specrag.evals.groundedness.metrics import answer_scores
 
     run = {
         "answer": "9100.",

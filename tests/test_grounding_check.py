@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from agent.answerability import ABSTENTION
-from agent.events import TokenEvent
-from agent.grounding import GroundednessResult, SentenceVerdict
-from agent.grounding.check import evidence_texts, grounding_record, is_grounded
-from agent.loop import AgentLoop, RunOptions
-from agent.trace import Tracer, TraceStore
-from decoding.model import CausalLM
-from retrieval import Retriever
+from specrag.agent.answerability import ABSTENTION
+from specrag.agent.events import TokenEvent
+from specrag.agent.grounding import GroundednessResult, SentenceVerdict
+from specrag.agent.grounding.check import evidence_texts, grounding_record, is_grounded
+from specrag.agent.loop import AgentLoop, RunOptions
+from specrag.agent.trace import Tracer, TraceStore
+from specrag.decoding.model import CausalLM
+from specrag.retrieval import Retriever
+from specrag.tools import ToolRegistry
 from tests.agent_helpers import Scripted, add, call
 from tests.retrieval_helpers import sample_index, shared_embedder
-from tools import ToolRegistry
 
 QUESTION = "What does the assert statement do?"
 INVENTED = "The assert statement was added in Python 3.11 by the Steering Council after 42 votes."

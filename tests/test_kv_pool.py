@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from decoding import Engine, GenerationRequest, SamplingParams
-from decoding.kv import SequenceKV
-from decoding.kv_pool import KVPool, KVPoolExhausted
-from decoding.prefix_cache import PrefixCache
+from specrag.decoding import Engine, GenerationRequest, SamplingParams
+from specrag.decoding.kv import SequenceKV
+from specrag.decoding.kv_pool import KVPool, KVPoolExhausted
+from specrag.decoding.prefix_cache import PrefixCache
 from tests.conftest import tiny_causal_lm
 
 VOCAB = 24

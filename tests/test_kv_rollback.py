@@ -6,10 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decoding import Engine, GenerationRequest, SamplingParams
-from decoding.drafters import ModelDrafter
-from decoding.model import CausalLM
-from decoding.sampling import SamplingParams as Params
+from specrag.decoding import Engine, GenerationRequest, SamplingParams
+from specrag.decoding.drafters import ModelDrafter
+from specrag.decoding.model import CausalLM
+from specrag.decoding.sampling import SamplingParams as Params
 from tests.conftest import tiny_causal_lm
 
 VOCAB = 40

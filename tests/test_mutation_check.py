@@ -1,12 +1,12 @@
 """The mutation check's planted bugs still name code that exists: a mutation whose text
-moved away plants nothing, and ``python -m evals.mutation_check`` would only say so when
+moved away plants nothing, and ``python -m specrag.evals.checks.mutation_check`` would only say so when
 someone runs it."""
 
 from __future__ import annotations
 
 import pytest
 
-from evals.mutation_check import MUTATIONS, ROOT, Mutation
+from specrag.evals.checks.mutation_check import MUTATIONS, ROOT, Mutation
 
 
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=[mutation.name for mutation in MUTATIONS])

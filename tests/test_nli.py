@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from agent.grounding import GroundednessScorer
-from agent.grounding.types import NLI_CANDIDATES
-from evals.calibrate_groundedness import main as calibrate_main
-from evals.nli import NliJudge, NliUnavailable, entailment_label
-from evals.run import main as eval_main
+from specrag.agent.grounding import GroundednessScorer
+from specrag.agent.grounding.types import NLI_CANDIDATES
+from specrag.evals.groundedness.nli import NliJudge, NliUnavailable, entailment_label
+from specrag.evals.groundedness.run import main as eval_main
+from specrag.evals.studies.calibrate_groundedness import main as calibrate_main
 from tests.test_groundedness import SUPPORTED, WITH
 
 LABELS = {0: "contradiction", 1: "neutral", 2: "entailment"}  # entailment last: not index 0 or 1 by luck

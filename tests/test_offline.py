@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("agent", "decoding", "retrieval", "tools", "evals")
 
 
-@pytest.mark.parametrize("first", ["retrieval", "agent.cli", "tools", "agent.runtime"])
+@pytest.mark.parametrize("first", ["specrag.retrieval", "specrag.agent.cli", "specrag.tools", "specrag.agent.runtime"])
 def test_every_entry_point_is_offline_before_the_hub_library_loads(first: str) -> None:
     environment = {key: value for key, value in os.environ.items() if key != "HF_HUB_OFFLINE"}
     probe = f"import {first}\nimport huggingface_hub.constants as hub\nprint(hub.HF_HUB_OFFLINE)"

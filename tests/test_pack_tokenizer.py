@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from agent.cli import main
-from decoding import pack_tokenizer, packs
+from specrag.agent.cli import main
+from specrag.decoding import pack_tokenizer, packs
 from tests.test_retrieval_cli import make_docs
 
 PACK = packs.PACKS["smollm2-135m"]

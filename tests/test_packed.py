@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding import packed
-from decoding.model import CausalLM
-from decoding.packed import Chunk, packed_forward
+from specrag.decoding import packed
+from specrag.decoding.model import CausalLM
+from specrag.decoding.packed import Chunk, packed_forward
 from tests.conftest import tiny_causal_lm
 
 PROMPTS = [[3, 17, 5, 22, 9, 31, 4], [8, 1], [40, 2, 2, 7, 19, 11, 30, 6, 5, 12, 44]]
@@ -72,7 +72,7 @@ def test_where_linears_are_row_exact_a_packed_step_is_bit_for_bit_the_sequences_
     decoding/batch_invariance.py; float32 through oneDNN): batching the step changes no bit
     of any logit, so greedy output cannot depend on the batch. Where the probe fails,
     row-exact is off."""
-    from decoding.model import load_model
+    from specrag.decoding.model import load_model
 
     lm = load_model("smollm2-135m", dtype=dtype, progress=False)
     if not lm.batch_invariant:
@@ -85,7 +85,7 @@ def test_where_linears_are_row_exact_a_packed_step_is_bit_for_bit_the_sequences_
 
 
 def test_the_packed_benchmark_prints_one_row_per_batch_and_chunk(capsys: pytest.CaptureFixture[str]) -> None:
-    from evals.bench_packed import BATCH_SIZES, CHUNK_TOKENS, main
+    from specrag.evals.bench.packed import BATCH_SIZES, CHUNK_TOKENS, main
 
     assert main(["--model", "smollm2-135m", "--dtype", "float32", "--context", "8", "--repeats", "1"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| smollm2-135m |")]
@@ -98,10 +98,10 @@ def test_an_engine_step_over_many_sequences_is_one_packed_forward_and_changes_no
     """Packed where packing is exact (row-exact mode, here forced on a float64 model whose
     rows agree to rounding): greedy and seeded sampled, speculative and plain, every
     output equals the sequence's run alone."""
-    from decoding import step_driver
-    from decoding.engine import Engine
-    from decoding.request import GenerationRequest
-    from decoding.sampling import SamplingParams
+    from specrag.decoding import step_driver
+    from specrag.decoding.engine import Engine
+    from specrag.decoding.request import GenerationRequest
+    from specrag.decoding.sampling import SamplingParams
 
     target = tiny_causal_lm(48, seed=0)
     target.row_exact = True
@@ -148,10 +148,10 @@ def test_an_engine_step_over_many_sequences_is_one_packed_forward_and_changes_no
 def test_model_drafters_draft_in_lockstep_and_change_no_output(monkeypatch: pytest.MonkeyPatch) -> None:
     """Sequences whose draft model won share each draft forward (one packed draft call per
     draft position for all of them), and every output equals the sequence's run alone."""
-    from decoding import step_driver
-    from decoding.engine import Engine
-    from decoding.request import GenerationRequest
-    from decoding.sampling import SamplingParams
+    from specrag.decoding import step_driver
+    from specrag.decoding.engine import Engine
+    from specrag.decoding.request import GenerationRequest
+    from specrag.decoding.sampling import SamplingParams
 
     target, draft = tiny_causal_lm(48, seed=0), tiny_causal_lm(48, seed=0)  # the same weights: drafts accepted
     target.row_exact = draft.row_exact = True  # float64: rows agree to rounding, so packing is exact

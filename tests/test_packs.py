@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from decoding import packs
-from decoding.model import CausalLM, load_model, resolve_dtype
+from specrag.decoding import packs
+from specrag.decoding.model import CausalLM, load_model, resolve_dtype
 
 
 def test_unknown_pack_lists_the_known_ones() -> None:

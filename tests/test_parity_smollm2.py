@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding.model import CausalLM, load_model
-from evals.parity import ParityResult, check_case, plain_greedy, summarise
-from evals.prompts import PARITY_CASES, PromptCase
+from specrag.decoding.model import CausalLM, load_model
+from specrag.evals.checks.parity import ParityResult, check_case, plain_greedy, summarise
+from specrag.evals.prompts import PARITY_CASES, PromptCase
 from tests.conftest import tiny_causal_lm
 
 pytestmark = pytest.mark.slow

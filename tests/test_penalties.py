@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding import Engine, GenerationRequest
-from decoding.penalties import Penalties, PenaltyProcessor, penalize
+from specrag.decoding import Engine, GenerationRequest
+from specrag.decoding.penalties import Penalties, PenaltyProcessor, penalize
 from tests.test_engine import TARGET, plain_reference, repetitive_prompt, run, speculative_runs
 
 
@@ -49,8 +49,8 @@ def test_speculative_greedy_equals_plain_greedy_under_penalties(penalties: Penal
 def test_a_json_schema_request_without_a_penalty_gets_the_structured_default() -> None:
     import msgspec
 
-    from agent.api_models import ChatCompletionRequest
-    from agent.openai_compat import STRUCTURED_REPETITION_PENALTY, repetition_penalty_for
+    from specrag.agent.api_models import ChatCompletionRequest
+    from specrag.agent.openai_compat import STRUCTURED_REPETITION_PENALTY, repetition_penalty_for
 
     schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}
 

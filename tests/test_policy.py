@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decoding import policy
-from decoding.policy import AcceptanceEstimate, CostModel, PolicyConfig, RequestPolicy, best_gamma
+from specrag.decoding import policy
+from specrag.decoding.policy import AcceptanceEstimate, CostModel, PolicyConfig, RequestPolicy, best_gamma
 
 COSTS = {1: 1.0, 2: 1.05, 4: 1.15, 8: 1.4, 16: 2.2}  # seconds of a forward over k tokens
 

@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from decoding import Engine, GenerationRequest, SamplingParams
-from decoding.kv_pool import KVPool
-from decoding.model import CausalLM
-from decoding.prefix_cache import PrefixCache, prefill_cached
+from specrag.decoding import Engine, GenerationRequest, SamplingParams
+from specrag.decoding.kv_pool import KVPool
+from specrag.decoding.model import CausalLM
+from specrag.decoding.prefix_cache import PrefixCache, prefill_cached
 from tests.conftest import tiny_causal_lm
 
 VOCAB = 24

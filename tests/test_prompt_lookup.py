@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decoding.drafters import PromptLookupDrafter
-from decoding.drafters import prompt_lookup as lookup_module
+from specrag.decoding.drafters import PromptLookupDrafter
+from specrag.decoding.drafters import prompt_lookup as lookup_module
 
 
 def test_continues_the_longest_match_in_the_prompt() -> None:

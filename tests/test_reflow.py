@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from retrieval.reflow import lookup_texts, reflowed
+from specrag.retrieval.reflow import lookup_texts, reflowed
 
 
 def test_wrapped_prose_is_joined_and_code_keeps_its_lines() -> None:

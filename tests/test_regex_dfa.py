@@ -18,11 +18,11 @@ import jsonschema
 import pytest
 import xgrammar as xgr
 
-from decoding import regex_dfa
-from decoding.regex_dfa import ALPHABET, DFA, RegexUnsupported
-from decoding.regex_write import to_regex
-from decoding.schema_merge import UnsupportedSchemaError
-from decoding.schema_normalize import normalize_schema
+from specrag.decoding import regex_dfa
+from specrag.decoding.regex_dfa import ALPHABET, DFA, RegexUnsupported
+from specrag.decoding.regex_write import to_regex
+from specrag.decoding.schema_merge import UnsupportedSchemaError
+from specrag.decoding.schema_normalize import normalize_schema
 
 PATTERNS = [
     r"^(?!org\.bukkit\.)([a-zA-Z_$][a-zA-Z\d_$]*\.)*[a-zA-Z_$][a-zA-Z\d_$]*$",

@@ -12,20 +12,20 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from agent.call_rules import canonical_call, grounded, made_before
-from agent.loop import AgentLoop
-from agent.repeat_deviation import BanAt, MarginRecorder, deviations
-from agent.run_state import RunOptions
-from agent.trace import Tracer, TraceStore
-from decoding.engine import Engine
-from decoding.grammar_compile import GrammarCompiler
-from decoding.request import GenerationEvent, GenerationRequest, apply_processors
-from decoding.stats import CycleInfo, GenerationStats
+from specrag.agent.call_rules import canonical_call, grounded, made_before
+from specrag.agent.loop import AgentLoop
+from specrag.agent.repeat_deviation import BanAt, MarginRecorder, deviations
+from specrag.agent.run_state import RunOptions
+from specrag.agent.trace import Tracer, TraceStore
+from specrag.decoding.engine import Engine
+from specrag.decoding.grammar_compile import GrammarCompiler
+from specrag.decoding.request import GenerationEvent, GenerationRequest, apply_processors
+from specrag.decoding.stats import CycleInfo, GenerationStats
+from specrag.tools import ToolCall, ToolRegistry, ToolResult, tool
 from tests.agent_helpers import add
 from tests.conftest import tiny_causal_lm
 from tests.test_grammar import EOS, VOCAB, encode
 from tests.test_tool_formats import hermes_tokenizer, tagged  # noqa: F401  (a fixture)
-from tools import ToolCall, ToolRegistry, ToolResult, tool
 
 
 def row(vocab: int, **logits: float) -> torch.Tensor:

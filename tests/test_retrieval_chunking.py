@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retrieval import Chunker, ChunkerSettings, Document, chunk_text, load_sample_corpus, whitespace_tokens
+from specrag.retrieval import Chunker, ChunkerSettings, Document, chunk_text, load_sample_corpus, whitespace_tokens
 
 
 def chars_as_tokens(text: str) -> int:
@@ -110,7 +110,7 @@ def test_settings_are_validated() -> None:
 
 @pytest.mark.slow
 def test_budget_holds_with_the_real_target_tokenizer() -> None:
-    from retrieval import load_token_counter
+    from specrag.retrieval import load_token_counter
 
     counter = load_token_counter("smollm2-135m")
     assert counter.name == "pack:smollm2-135m"

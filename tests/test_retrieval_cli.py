@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli import main
+from specrag.agent.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,7 +17,11 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize("command", [["index"], ["index", "build"], ["index", "search"]])
 def test_index_commands_have_help(command: list[str]) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "agent.cli", *command, "--help"], capture_output=True, text=True, cwd=ROOT, check=False
+        [sys.executable, "-m", "specrag.agent.cli", *command, "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
     )
     assert result.returncode == 0 and "usage: specrag index" in result.stdout
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from retrieval import Retriever, load_index
+from specrag.retrieval import Retriever, load_index
 from tests.retrieval_helpers import sample_index, shared_embedder
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ COPIES = 400
 QUERIES = ("with statement context manager", "lambda expression", "raise an exception", "global names")
 BUILD = """
 import sys
-from retrieval import Corpus, Document, Embedder, build_index
+from specrag.retrieval import Corpus, Document, Embedder, build_index
 from tests.retrieval_helpers import chunker, sample_subset
 
 out, copies = sys.argv[1], int(sys.argv[2])

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from decoding.packs import cache_root
-from retrieval import MODEL_DIM, Embedder, EmbeddingModelError, ensure_model
-from retrieval import embed as embed_module
+from specrag.decoding.packs import cache_root
+from specrag.retrieval import MODEL_DIM, Embedder, EmbeddingModelError, ensure_model
+from specrag.retrieval import embed as embed_module
 from tests.retrieval_helpers import shared_embedder
 
 needs_no_installed_pack = pytest.mark.skipif(

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from retrieval import (
+from specrag.retrieval import (
     BuildReport,
     Chunker,
     ChunkerSettings,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from retrieval import LoadError, html_to_text, load_folder, load_sample_corpus
+from specrag.retrieval import LoadError, html_to_text, load_folder, load_sample_corpus
 
 
 def write(root: Path, relative: str, content: str | bytes) -> Path:
@@ -54,7 +54,7 @@ def test_skips_are_reported_with_reasons_and_logged_by_name(tmp_path: Path, capl
     write(tmp_path, "huge.md", "x" * 2048)
     (tmp_path / "dangling.md").symlink_to(tmp_path / "nowhere.md")
     os.mkfifo(tmp_path / "pipe.txt")  # opening it would block: must be judged before any open()
-    with caplog.at_level(logging.WARNING, logger="retrieval.loaders"):
+    with caplog.at_level(logging.WARNING, logger="specrag.retrieval.loaders"):
         corpus = load_folder(tmp_path, max_bytes=1024)
     assert [document.source for document in corpus.documents] == ["good.md"]
     reasons = {item.source: item.reason for item in corpus.skipped}

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from retrieval import Document, Passage, Retriever, build_index
+from specrag.retrieval import Document, Passage, Retriever, build_index
+from specrag.tools.builtin import search_documents_tool
 from tests.retrieval_helpers import chunker, sample_index, shared_embedder
-from tools.builtin import search_documents_tool
 
 pytestmark = pytest.mark.slow  # the real MiniLM model embeds the sample topics once per session
 

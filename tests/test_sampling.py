@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decoding.sampling import SamplingParams, probs_from_logits, select_token
+from specrag.decoding.sampling import SamplingParams, probs_from_logits, select_token
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from decoding.engine import Engine
-from decoding.fast_paths import attend_prompt_blocks
-from decoding.model import PREFILL_CHUNK_TOKENS, CausalLM
-from decoding.request import GenerationEvent, GenerationRequest
-from decoding.sampling import SamplingParams
+from specrag.decoding.engine import Engine
+from specrag.decoding.fast_paths import attend_prompt_blocks
+from specrag.decoding.model import PREFILL_CHUNK_TOKENS, CausalLM
+from specrag.decoding.request import GenerationEvent, GenerationRequest
+from specrag.decoding.sampling import SamplingParams
 from tests.conftest import tiny_causal_lm
 
 LONG_PROMPT = [(5 * i + 3) % 48 for i in range(2 * PREFILL_CHUNK_TOKENS + 88)]  # three chunks
@@ -148,7 +148,7 @@ def test_a_sequence_whose_forward_raises_fails_alone(row_exact: bool) -> None:
 
 
 def test_the_worker_raises_a_failed_sequence_to_its_own_caller_only() -> None:
-    from agent.worker import EngineWorker
+    from specrag.agent.worker import EngineWorker
 
     target = tiny(True)
     worker = EngineWorker(Engine(target, debug=True))
@@ -182,9 +182,9 @@ def test_where_bf16_is_row_exact_a_prompt_gets_the_same_bits_however_it_is_cut()
     """smollm2 in bfloat16 (row-exact where the probe passes): a prompt prefilled whole, in
     the engine's chunks beside another sequence, and after a prefix-cache hit gives the
     same last-row logits, bit for bit."""
-    from decoding.model import load_model
-    from decoding.packed import Chunk, packed_forward
-    from decoding.prefix_cache import PrefixCache, prefill_cached
+    from specrag.decoding.model import load_model
+    from specrag.decoding.packed import Chunk, packed_forward
+    from specrag.decoding.prefix_cache import PrefixCache, prefill_cached
 
     lm = load_model("smollm2-135m", dtype="bfloat16", progress=False)
     if not lm.row_exact:
@@ -208,7 +208,7 @@ def test_the_stall_benchmark_reports_the_decoders_gaps_until_the_long_prompts_fi
 ) -> None:
     import json
 
-    from evals.bench_prefill_stall import main
+    from specrag.evals.bench.prefill_stall import main
 
     args = ["--model", "smollm2-135m", "--dtype", "float32", "--decoders", "2", "--prompt-tokens", "300"]
     assert main([*args, "--warm-steps", "1"]) == 0
@@ -218,7 +218,7 @@ def test_the_stall_benchmark_reports_the_decoders_gaps_until_the_long_prompts_fi
 
 
 def test_verify_tokens_count_against_the_budget_of_a_packed_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    from decoding import step_driver
+    from specrag.decoding import step_driver
 
     target = tiny(True)
     sizes: list[list[int]] = []
@@ -248,7 +248,7 @@ def test_verify_tokens_count_against_the_budget_of_a_packed_step(monkeypatch: py
 
 def test_a_packed_forward_feeds_the_cost_model_at_the_steps_token_count() -> None:
     """The policy reads C(step tokens) (StepLoad): the shared forward's time is that point."""
-    from decoding.policy import CostModel
+    from specrag.decoding.policy import CostModel
 
     cost = CostModel({1: 10.0, 2: 10.0}, decay=1.0)  # decay 1: the newest observation is the point
     engine = Engine(tiny(True), cost_model=cost, max_num_batched_tokens=512)
@@ -263,7 +263,7 @@ def test_a_packed_forward_feeds_the_cost_model_at_the_steps_token_count() -> Non
 def test_the_step_budget_is_the_knee_of_the_measured_curve() -> None:
     """The fewest tokens whose forward reaches 90% of the best tokens/second: a bigger
     step past the knee buys little throughput and delays every running sequence."""
-    from decoding.policy import step_budget
+    from specrag.decoding.policy import step_budget
 
     assert step_budget({128: 0.2, 256: 0.25, 512: 0.5}) == 256  # 640, 1024, 1024 tok/s
     assert step_budget({128: 0.1, 256: 0.3, 512: 0.6}) == 128  # already at its best
@@ -274,7 +274,7 @@ def test_the_step_budget_is_the_knee_of_the_measured_curve() -> None:
 
 
 def test_the_engine_takes_its_budget_from_the_cost_model_unless_given() -> None:
-    from decoding.policy import BUDGET_TOKEN_COUNTS, CostModel, step_budget
+    from specrag.decoding.policy import BUDGET_TOKEN_COUNTS, CostModel, step_budget
 
     # decode and verify tokens up to the knee, plus the chunk the oldest waiting prompt gets
     knee_at_512 = CostModel({1: 0.01}, prompt_seconds={128: 0.4, 256: 0.5, 512: 0.55})
@@ -292,8 +292,8 @@ def test_the_engine_takes_its_budget_from_the_cost_model_unless_given() -> None:
 def test_the_steps_one_mask_serves_each_row_and_a_misfit_fails_alone() -> None:
     """One bitmask over every constrained row of a step; a need whose mask does not fit
     its rows gets an error (its sequence fails), the others their masked rows."""
-    from decoding.grammar import pack_allowed
-    from decoding.step_driver import ForwardNeed, prepared
+    from specrag.decoding.grammar import pack_allowed
+    from specrag.decoding.step_driver import ForwardNeed, prepared
 
     vocab = 40
     allowed = torch.zeros(3, vocab, dtype=torch.bool)

@@ -1,7 +1,7 @@
 """Constrained output on real-world schemas is never invalid, and a broken grammar path is loud.
 
 The corpus is 120 SchemaStore schemas (tests/data/schemastore/SOURCES.md); the full run
-with qwen2.5-coder-0.5b is ``python -m evals.schema_corpus`` (figures in the README). Here:
+with qwen2.5-coder-0.5b is ``python -m specrag.evals.studies.schema_corpus`` (figures in the README). Here:
 every schema normalises or is refused by keyword, every normalised schema compiles, a
 sample runs end to end with smollm2, and a planted loose grammar is answered 500 (an
 ``error`` event when streaming), never returned as an answer.
@@ -18,12 +18,12 @@ import httpx
 import pytest
 import xgrammar as xgr
 
-from agent.errors import logger
-from agent.runtime import Agent
-from agent.server import create_app
-from decoding.grammar_compile import UnsupportedSchemaError, enforceable_schema
-from decoding.model import CausalLM
-from evals.schema_corpus import load_corpus, run_one, summarise
+from specrag.agent.errors import logger
+from specrag.agent.runtime import Agent
+from specrag.agent.server import create_app
+from specrag.decoding.grammar_compile import UnsupportedSchemaError, enforceable_schema
+from specrag.decoding.model import CausalLM
+from specrag.evals.studies.schema_corpus import load_corpus, run_one, summarise
 from tests.server_helpers import LiveServer, assert_error
 
 pytestmark = pytest.mark.slow
@@ -117,7 +117,7 @@ def test_validation_fetches_nothing_and_reads_a_remote_reference_as_unsatisfiabl
 ) -> None:
     import socket
 
-    from tools.schema_check import SchemaViolation, validate_value
+    from specrag.tools.schema_check import SchemaViolation, validate_value
 
     def no_network(*args: object, **kwargs: object) -> None:
         raise AssertionError("the validator tried to reach the network")
@@ -132,7 +132,7 @@ def test_validation_fetches_nothing_and_reads_a_remote_reference_as_unsatisfiabl
 
 
 def test_show_schema_puts_the_compact_schema_in_the_prompt_and_the_default_does_not() -> None:
-    from evals.schema_corpus import prompt_for
+    from specrag.evals.studies.schema_corpus import prompt_for
 
     entry = {"name": "marker", "description": "a marked file"}
     assert "schema" not in prompt_for(entry, MARKED)

@@ -14,8 +14,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from decoding.schema_merge import Unsatisfiable, UnsupportedSchemaError, merge_schemas
-from decoding.schema_normalize import normalize_schema
+from specrag.decoding.schema_merge import Unsatisfiable, UnsupportedSchemaError, merge_schemas
+from specrag.decoding.schema_normalize import normalize_schema
 
 SHAPES: dict[str, Any] = {
     "kind": ["circle", "square", "rect", 3],

@@ -13,11 +13,11 @@ import pytest
 from litestar.testing import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.events import AgentEvent, ErrorEvent, TokenEvent
-from agent.loop import AgentLoop
-from agent.runtime import Agent
-from agent.server import create_app
-from decoding.model import CausalLM
+from specrag.agent.events import AgentEvent, ErrorEvent, TokenEvent
+from specrag.agent.loop import AgentLoop
+from specrag.agent.runtime import Agent
+from specrag.agent.server import create_app
+from specrag.decoding.model import CausalLM
 from tests.agent_helpers import Scripted, call, explode, slow_lookup
 from tests.server_helpers import assert_error, sample_agent
 

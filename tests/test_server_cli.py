@@ -15,10 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-import retrieval
-from agent import cli
-from agent import sample_index as index_cache
-from retrieval import Corpus
+from specrag import retrieval
+from specrag.agent import cli
+from specrag.agent import sample_index as index_cache
+from specrag.retrieval import Corpus
 from tests.retrieval_helpers import sample_index, sample_subset, shared_embedder
 from tests.server_helpers import wait_until
 
@@ -28,7 +28,7 @@ QUICK = ["--max-steps", "1", "--speculation", "on"]  # "auto" would calibrate th
 
 
 def specrag(*args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "agent.cli", *args]
+    command = [sys.executable, "-m", "specrag.agent.cli", *args]
     return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=False, timeout=600)
 
 
@@ -43,7 +43,7 @@ def serving(*args: str) -> Iterator[str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "agent.cli", "serve", *args, "--port", str(port)]
+    command = [sys.executable, "-m", "specrag.agent.cli", "serve", *args, "--port", str(port)]
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile() as log:
         server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log)

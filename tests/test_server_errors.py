@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from litestar.testing import TestClient
 
-from agent.runtime import Agent
-from agent.server import create_app
-from decoding.model import CausalLM
+from specrag.agent.runtime import Agent
+from specrag.agent.server import create_app
+from specrag.decoding.model import CausalLM
 from tests.server_helpers import assert_error, sample_agent
 
 RUNS, CHAT = "/v1/agent/runs", "/v1/chat/completions"
@@ -163,8 +163,8 @@ def test_the_server_still_answers_after_bad_requests(client: TestClient[Any]) ->
 def test_a_request_the_kv_pool_could_never_hold_is_context_length_exceeded(
     smollm2: CausalLM, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    from decoding.kv_pool import KVPool
-    from decoding.prefix_cache import PrefixCache
+    from specrag.decoding.kv_pool import KVPool
+    from specrag.decoding.prefix_cache import PrefixCache
 
     agent = sample_agent(smollm2, tmp_path_factory.getbasetemp(), prefix_cache=PrefixCache(KVPool(num_blocks=4)))
     try:

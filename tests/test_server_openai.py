@@ -17,9 +17,9 @@ import openai
 import psutil
 import pytest
 
-from agent.runtime import Agent
-from agent.server import create_app
-from decoding.model import CausalLM
+from specrag.agent.runtime import Agent
+from specrag.agent.server import create_app
+from specrag.decoding.model import CausalLM
 from tests.server_helpers import LiveServer, assert_error, sample_agent, wait_until
 
 KEY = "test-key"

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from agent.runtime import Agent
-from agent.server import create_app
-from decoding.model import CausalLM
+from specrag.agent.runtime import Agent
+from specrag.agent.server import create_app
+from specrag.decoding.model import CausalLM
 
 
 @pytest.fixture(scope="module")

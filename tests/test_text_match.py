@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.grounding import text_match as tm
+from specrag.agent.grounding import text_match as tm
 
 
 def test_sentences_keep_their_citations_and_code_blocks() -> None:

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from evals.tool_eval import answer_matches, is_call_syntax, load_tasks, main, score_task, summarise
-from evals.tool_suite import eval_tools
-from tools import ToolRegistry
-from tools.execute import run_tool_sync
+from specrag.evals.tool_use.run import answer_matches, is_call_syntax, load_tasks, main, score_task, summarise
+from specrag.evals.tool_use.suite import eval_tools
+from specrag.tools import ToolRegistry
+from specrag.tools.execute import run_tool_sync
 
 CATEGORIES = {"simple", "multiple", "multi_step", "parallel", "irrelevance", "documents"}
 
@@ -118,7 +118,7 @@ def test_answers_match_numbers_without_separators_and_alternatives() -> None:
 
 
 def test_the_eval_runs_end_to_end_and_writes_its_report(tmp_path: Any) -> None:
-    from agent.cli import main as cli_main
+    from specrag.agent.cli import main as cli_main
 
     out = tmp_path / "tools"
     args = ["eval", "tools", "--model", "smollm2-135m", "--dtype", "float32", "--only", "t001,t052"]

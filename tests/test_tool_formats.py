@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from agent.events import FinalEvent, TokenEvent
-from agent.loop import AgentLoop, canonical_call, uses_results
-from agent.prompt import (
+from specrag.agent.events import FinalEvent, TokenEvent
+from specrag.agent.loop import AgentLoop, canonical_call, uses_results
+from specrag.agent.prompt import (
     ANSWER_REQUEST,
     PASSAGES_AND_TOOLS_SYSTEM,
     TOOLS_SYSTEM,
@@ -25,12 +25,12 @@ from agent.prompt import (
     default_system,
     system_message,
 )
-from agent.trace import Tracer, TraceStore
-from decoding.grammar_compile import JSON_OBJECT_OPENINGS, text_without_ebnf
-from decoding.model import CausalLM
+from specrag.agent.trace import Tracer, TraceStore
+from specrag.decoding.grammar_compile import JSON_OBJECT_OPENINGS, text_without_ebnf
+from specrag.decoding.model import CausalLM
+from specrag.tools import ToolCall, ToolError, ToolRegistry, ToolResult
+from specrag.tools.formats import BARE_JSON, HERMES, TAGGED_JSON, format_for
 from tests.agent_helpers import Scripted, add
-from tools import ToolCall, ToolError, ToolRegistry, ToolResult
-from tools.formats import BARE_JSON, HERMES, TAGGED_JSON, format_for
 
 HERMES_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n{{ messages[0]['content'] if messages[0]['role'] == 'system' else '' }}"
@@ -288,7 +288,7 @@ def test_the_last_step_may_only_answer_in_text_with_no_tools_in_view(hermes_toke
 
 
 def loop_options(**values: Any) -> Any:
-    from agent.loop import RunOptions
+    from specrag.agent.loop import RunOptions
 
     return RunOptions(**values)
 
@@ -307,8 +307,8 @@ def test_the_openai_endpoint_renders_native_tools_and_reads_parallel_calls(
 ) -> None:
     import msgspec
 
-    from agent.api_models import ChatCompletionRequest, ServerLimits
-    from agent.openai_compat import ChatRun, plan_chat
+    from specrag.agent.api_models import ChatCompletionRequest, ServerLimits
+    from specrag.agent.openai_compat import ChatRun, plan_chat
 
     add_tool = ToolRegistry([add]).openai_schemas()[0]
     earlier_call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 1}'}}

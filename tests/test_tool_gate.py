@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from agent.loop import AgentLoop, RunOptions
-from agent.tool_gate import ToolRelevance, call_opening_ids, call_probability, tool_text
-from agent.trace import Tracer, TraceStore
-from decoding.model import CausalLM
-from decoding.request import GenerationEvent, GenerationRequest
-from decoding.stats import GenerationStats
+from specrag.agent.loop import AgentLoop, RunOptions
+from specrag.agent.tool_gate import ToolRelevance, call_opening_ids, call_probability, tool_text
+from specrag.agent.trace import Tracer, TraceStore
+from specrag.decoding.model import CausalLM
+from specrag.decoding.request import GenerationEvent, GenerationRequest
+from specrag.decoding.stats import GenerationStats
+from specrag.tools import ToolRegistry
 from tests.agent_helpers import Scripted, add
 from tests.test_tool_formats import hermes_tokenizer, tagged  # noqa: F401 (a fixture)
-from tools import ToolRegistry
 
 
 class ArithmeticEmbedder:
@@ -128,8 +128,8 @@ def test_tool_text_reads_name_description_and_parameters() -> None:
 def test_the_http_request_can_turn_the_gate_off() -> None:
     import msgspec
 
-    from agent.api_models import AgentRunRequest, ServerLimits
-    from agent.routes_runs import run_options as _run_options
+    from specrag.agent.api_models import AgentRunRequest, ServerLimits
+    from specrag.agent.routes_runs import run_options as _run_options
 
     class _Agent:
         registry = ToolRegistry([add])

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from agent import cli
-from tools import Tool
-from tools.loading import ToolLoadError, load_all, load_tools
+from specrag.agent import cli
+from specrag.tools import Tool
+from specrag.tools.loading import ToolLoadError, load_all, load_tools
 
 USER_MODULE = '''
-from tools import ToolRegistry, tool
+from specrag.tools import ToolRegistry, tool
 
 
 @tool
@@ -120,7 +120,7 @@ def test_the_cli_stops_before_loading_a_model(
     def no_model(*args: object, **kwargs: object) -> None:
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("agent.runtime.load_model", no_model)
+    monkeypatch.setattr("specrag.agent.runtime.load_model", no_model)
     question = ["a question"] if command == "ask" else []
     assert cli.main([command, *question, "--tools", "no_such_module_here:tool"]) == 2
     assert f"specrag {command}: 'no_such_module_here:tool': importing no_such_module_here failed" in (

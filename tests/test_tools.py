@@ -12,9 +12,8 @@ import pytest
 import xgrammar as xgr
 from pydantic import BaseModel, Field
 
-from decoding.grammar_compile import GrammarCompiler
-from tests.test_grammar import EOS, VOCAB
-from tools import (
+from specrag.decoding.grammar_compile import GrammarCompiler
+from specrag.tools import (
     ToolDefinitionError,
     ToolRegistry,
     UnknownToolError,
@@ -24,6 +23,7 @@ from tools import (
     search_scope,
     tool,
 )
+from tests.test_grammar import EOS, VOCAB
 
 
 class Unit(Enum):

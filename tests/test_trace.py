@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from agent.trace import (
+from specrag.agent.trace import (
     CYCLE_EVENT,
     ROOT_SPAN_NAME,
     SpeculationCycle,
@@ -25,7 +25,7 @@ from agent.trace import (
     stage_coverage,
     stages_cover_run,
 )
-from agent.trace_otel import export_to_otel
+from specrag.agent.trace_otel import export_to_otel
 
 MS = 1_000_000
 
@@ -233,7 +233,7 @@ def test_store_appends_one_json_line_per_trace(tmp_path: Path) -> None:
 def test_store_write_error_is_logged_not_raised(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     store = TraceStore(jsonl_path=tmp_path)  # a directory: open() fails
     trace = Tracer(store=store).start_trace()
-    with caplog.at_level(logging.WARNING, logger="agent.trace"):
+    with caplog.at_level(logging.WARNING, logger="specrag.agent.trace"):
         trace.finish()
     assert store.get(trace.trace_id) is not None
     assert any("could not append trace" in r.getMessage() for r in caplog.records)
@@ -376,7 +376,7 @@ def test_otel_export_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch)
 def test_a_cycle_records_every_engine_cycle_stage_and_nothing_else() -> None:
     from dataclasses import fields
 
-    from decoding.stats import CYCLE_STAGES
+    from specrag.decoding.stats import CYCLE_STAGES
 
     stage_fields = [field.name for field in fields(SpeculationCycle) if field.name.endswith("_s")]
     assert stage_fields == ["duration_s", *(f"{name}_s" for name in CYCLE_STAGES)]

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from agent.trace import Tracer, TraceStore
-from agent.trace_otel import export_from_env
+from specrag.agent.trace import Tracer, TraceStore
+from specrag.agent.trace_otel import export_from_env
 from tests.test_trace import realistic_trace
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="extra 'otel' not installed")

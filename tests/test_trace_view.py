@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from agent.trace import SpeculationCycle, Trace, Tracer
-from agent.trace_view import KIND_COLOURS, acceptance_colour, render_waterfall
+from specrag.agent.trace import SpeculationCycle, Trace, Tracer
+from specrag.agent.trace_view import KIND_COLOURS, acceptance_colour, render_waterfall
 
 MS = 1_000_000
 REPO = Path(__file__).resolve().parent.parent
-SCREENSHOT = REPO / "evals" / "reports" / "trace_view.png"
+SCREENSHOT = REPO / "docs" / "reports" / "trace_view.png"
 CHROMIUM_TIMEOUT_S = 20
 
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from agent.worker import EngineWorker, QueueFull
-from decoding import Engine, GenerationRequest
+from specrag.agent.worker import EngineWorker, QueueFull
+from specrag.decoding import Engine, GenerationRequest
 from tests.conftest import tiny_causal_lm
 
 VOCAB = 32

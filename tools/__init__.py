@@ -1,10 +1,10 @@
 """Tools: ``@tool`` functions, their schemas, a registry, and execution with timeouts."""
 
-from tools.builtin import format_passage, search_documents_tool, search_scope
-from tools.calls import ToolCall, parse_tool_call
-from tools.execute import InvalidArgumentsError, ToolError, ToolResult, run_tool, run_tool_sync, validate_call
-from tools.registry import Tool, ToolRegistry, UnknownToolError, tool
-from tools.schema import ToolDefinitionError
+from specrag.tools.builtin import format_passage, search_documents_tool, search_scope
+from specrag.tools.calls import ToolCall, parse_tool_call
+from specrag.tools.execute import InvalidArgumentsError, ToolError, ToolResult, run_tool, run_tool_sync, validate_call
+from specrag.tools.registry import Tool, ToolRegistry, UnknownToolError, tool
+from specrag.tools.schema import ToolDefinitionError
 
 __all__ = [
     "InvalidArgumentsError",

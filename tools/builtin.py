@@ -15,7 +15,7 @@ from typing import Annotated, Protocol
 
 from pydantic import Field
 
-from tools.registry import Tool, tool
+from specrag.tools.registry import Tool, tool
 
 NO_PASSAGES = "No passages found."
 
@@ -52,7 +52,7 @@ def format_passage(label: str, source: str, text: str) -> str:
 
 
 def search_documents_tool(searcher: Searcher, *, timeout_s: float = 30.0, max_result_chars: int = 24000) -> Tool:
-    """The ``search_documents`` tool over ``searcher`` (a ``retrieval.Retriever``). Its result
+    """The ``search_documents`` tool over ``searcher`` (a ``specrag.retrieval.Retriever``). Its result
     labels a passage with its run label inside an agent run, else with its id."""
 
     def search_documents(query: str, k: Annotated[int, Field(ge=1, le=20)] = 4) -> str:

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import pydantic
 
-from tools.registry import Tool, ToolRegistry, UnknownToolError
+from specrag.tools.registry import Tool, ToolRegistry, UnknownToolError
 
 # Sync tools run here, not in the loop's default executor: ``asyncio.run`` joins that one
 # on exit, which would make a caller wait for a timed-out tool after all.

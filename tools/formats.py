@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from decoding.grammar_compile import BARE_CALLS, CallSyntax
-from tools.calls import ToolCall, parse_tool_call
+from specrag.decoding.grammar_compile import BARE_CALLS, CallSyntax
+from specrag.tools.calls import ToolCall, parse_tool_call
 
 MAX_PARALLEL_CALLS = 4  # calls a tagged format may write in one turn
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from tools.registry import Tool, ToolRegistry, tool
+from specrag.tools.registry import Tool, ToolRegistry, tool
 
 
 class ToolLoadError(ValueError):

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any, overload
 
 from pydantic import BaseModel
 
-from decoding.grammar_compile import BARE_CALLS, CallSyntax
-from tools.schema import arguments_model, describe, parameters_schema
+from specrag.decoding.grammar_compile import BARE_CALLS, CallSyntax
+from specrag.tools.schema import arguments_model, describe, parameters_schema
 
 if TYPE_CHECKING:
-    from decoding.grammar import Grammar
-    from decoding.grammar_compile import GrammarCompiler
+    from specrag.decoding.grammar import Grammar
+    from specrag.decoding.grammar_compile import GrammarCompiler
 
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_MAX_RESULT_CHARS = 4000

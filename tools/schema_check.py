@@ -18,7 +18,7 @@ from typing import Any
 import jsonschema
 from referencing import Registry
 
-from decoding.schema_normalize import replace_external_refs
+from specrag.decoding.schema_normalize import replace_external_refs
 
 
 class SchemaViolation(ValueError):

@@ -5,8 +5,8 @@ model as a judge); the evals report its figures and the agent uses it to mark or
 answer whose claims the shown passages do not hold (``check.py``).
 """
 
-from agent.grounding.scorer import GroundednessScorer, citation_scores, default_scorer, score
-from agent.grounding.types import GroundednessResult, ScorerSettings, SentenceVerdict
+from specrag.agent.grounding.scorer import GroundednessScorer, citation_scores, default_scorer, score
+from specrag.agent.grounding.types import GroundednessResult, ScorerSettings, SentenceVerdict
 
 __all__ = [
     "GroundednessResult",

@@ -27,12 +27,12 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from agent.grounding import text_match as tm
-from agent.grounding.types import GroundednessResult
+from specrag.agent.grounding import text_match as tm
+from specrag.agent.grounding.types import GroundednessResult
 
 GROUNDING_MODES = ("off", "mark", "abstain")
 # Measured: the share of supported claims below which an answer is not grounded (docs/evals.md,
-# "Grounded answers on documents nobody here has seen"; python -m evals.grounding_gate).
+# "Grounded answers on documents nobody here has seen"; python -m specrag.evals.studies.grounding_gate).
 DEFAULT_MIN_SUPPORTED = 0.5
 _WORD = re.compile(r"[A-Za-z0-9]")
 
@@ -77,7 +77,7 @@ def check_answer(
     answer: str, question: str, evidence: Sequence[str], embedder: Any, min_supported: float, judge: Any = None
 ) -> dict[str, Any]:
     """Score ``answer`` against ``evidence`` (a scorer per run: its passage cache dies with it)."""
-    from agent.grounding.scorer import GroundednessScorer
+    from specrag.agent.grounding.scorer import GroundednessScorer
 
     result = GroundednessScorer(embedder=embedder, judge=judge).score(answer, evidence, question)
     return grounding_record(result, min_supported)

@@ -11,8 +11,8 @@ import dataclasses
 import re
 from collections.abc import Sequence
 
-from agent.grounding import text_match as tm
-from agent.grounding.types import (
+from specrag.agent.grounding import text_match as tm
+from specrag.agent.grounding.types import (
     MIN_CONTENT_STEMS,
     NUMBER_CONTEXT,
     RESTATEMENT_NEW_STEMS,

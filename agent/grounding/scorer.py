@@ -12,10 +12,10 @@ a reviewer would:
 5. content: stem coverage by the best passage (or best two, for a sentence joining two facts)
    ≥ ``lexical_coverage`` → supported; below ``min_coverage`` → unsupported; in between, the
    sentence must be close in meaning to a passage sentence (MiniLM cosine ≥ ``min_similarity``),
-   or, with an NLI judge (``nli=``, evals/nli.py, local weights only), entailed by one of the
+   or, with an NLI judge (``nli=``, evals/groundedness/nli.py, local weights only), entailed by one of the
    ``NLI_CANDIDATES`` passage windows closest in meaning (P ≥ ``min_entailment``).
 
-Thresholds were tuned on the odd half of the calibration set (evals/calibrate_groundedness.py
+Thresholds were tuned on the odd half of the calibration set (evals/studies/calibrate_groundedness.py
 reports the held-out half too). What it cannot see: a claim that reuses the passage's words
 with a changed meaning beyond negation (swapped subject and object, "before" for "after"), and
 negation said with other words ("is forbidden" for "is not allowed"). Sentences that say the
@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from agent.grounding import claim_rules as rules
-from agent.grounding import text_match as tm
-from agent.grounding.types import (
+from specrag.agent.grounding import claim_rules as rules
+from specrag.agent.grounding import text_match as tm
+from specrag.agent.grounding.types import (
     MIN_CONTENT_STEMS,
     NLI_CANDIDATES,
     TOO_SHORT,
@@ -49,9 +49,9 @@ from agent.grounding.types import (
 class GroundednessScorer:
     """Scores answers against passages; keeps passage embeddings between calls (an eval run
     checks many answers against the same passages). ``embedder``: anything with
-    ``encode(texts) -> normalised rows`` (retrieval.Embedder); None loads MiniLM when
+    ``encode(texts) -> normalised rows`` (specrag.retrieval.Embedder); None loads MiniLM when
     ``settings.semantic``. ``nli``: anything with ``entailment(premises, hypothesis) ->
-    probabilities`` (evals.nli.NliJudge); it then decides the in-between sentences."""
+    probabilities`` (specrag.evals.groundedness.nli.NliJudge); it then decides the in-between sentences."""
 
     def __init__(
         self, settings: ScorerSettings | None = None, embedder: Any = None, nli: Any = None, judge: Any = None
@@ -65,7 +65,7 @@ class GroundednessScorer:
     @property
     def embedder(self) -> Any:
         if self._embedder is None:
-            from retrieval import Embedder
+            from specrag.retrieval import Embedder
 
             self._embedder = Embedder()
         return self._embedder

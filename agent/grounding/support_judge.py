@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from agent.answerability import AnswerTokens, NextTokenLogits, p_unanswerable
-from agent.prompt import encode_messages
-from decoding import GenerationEvent, GenerationRequest
+from specrag.agent.answerability import AnswerTokens, NextTokenLogits, p_unanswerable
+from specrag.agent.prompt import encode_messages
+from specrag.decoding import GenerationEvent, GenerationRequest
 
 JUDGE_SYSTEM = "You are a careful fact checker. You compare a statement with passages and reply yes or no."
 JUDGE_ASK = (
@@ -64,7 +64,7 @@ class SupportJudge:
     @classmethod
     def for_model(cls, model: str, dtype: str = "auto") -> SupportJudge:
         """A judge with its own engine and prefix cache over ``model`` (a pack name)."""
-        from decoding import Engine, load_model
+        from specrag.decoding import Engine, load_model
 
         lm = load_model(model, dtype=dtype, progress=False)
         engine = Engine(lm, prefix_cache=True)

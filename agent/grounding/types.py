@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from agent.grounding import text_match as tm
+from specrag.agent.grounding import text_match as tm
 
 MIN_CONTENT_STEMS = 3  # fewer content words than this is not a claim ("Yes.", "In short:")
 TOO_SHORT = "too short to be a claim"

@@ -1,7 +1,7 @@
 """Drafters propose candidate tokens for the target model to verify."""
 
-from decoding.drafters.base import Draft, Drafter
-from decoding.drafters.model_drafter import ModelDrafter
-from decoding.drafters.prompt_lookup import PromptLookupDrafter
+from specrag.decoding.drafters.base import Draft, Drafter
+from specrag.decoding.drafters.model_drafter import ModelDrafter
+from specrag.decoding.drafters.prompt_lookup import PromptLookupDrafter
 
 __all__ = ["Draft", "Drafter", "ModelDrafter", "PromptLookupDrafter"]

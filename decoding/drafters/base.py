@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from decoding.kv import SequenceKV
+    from specrag.decoding.kv import SequenceKV
 
 
 @dataclass

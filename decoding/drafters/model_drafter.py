@@ -12,11 +12,11 @@ from collections.abc import Callable, Generator, Sequence
 
 import torch
 
-from decoding.drafters.base import Draft
-from decoding.kv import SequenceKV
-from decoding.model import CausalLM
-from decoding.prefix_cache import PrefixCache, prefill_cached
-from decoding.sampling import SamplingParams, probs_from_logits, sample
+from specrag.decoding.drafters.base import Draft
+from specrag.decoding.kv import SequenceKV
+from specrag.decoding.model import CausalLM
+from specrag.decoding.prefix_cache import PrefixCache, prefill_cached
+from specrag.decoding.sampling import SamplingParams, probs_from_logits, sample
 
 SOURCE = "draft_model"
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from decoding.drafters.base import Draft, FreeDrafter
-from decoding.drafters.edits import EditTracker
+from specrag.decoding.drafters.base import Draft, FreeDrafter
+from specrag.decoding.drafters.edits import EditTracker
 
 OUTPUT = "output"
 PROMPT = "prompt"

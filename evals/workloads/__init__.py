@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from evals.prompts import SYSTEM, corpus_passage
-from retrieval.reflow import lookup_texts
+from specrag.evals.prompts import SYSTEM, corpus_passage
+from specrag.retrieval.reflow import lookup_texts
 
 FOLDER = Path(__file__).resolve().parent
 

@@ -1,4 +1,4 @@
-"""Per-question records of a groundedness eval and their summary (evals/run.py writes them).
+"""Per-question records of a groundedness eval and their summary (evals/groundedness/run.py writes them).
 
 A record holds what one agent run produced and how it scores: groundedness of each sentence
 against the passages shown, citations, answer correctness against the reference, retrieval
@@ -12,9 +12,9 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from agent.grounding import GroundednessScorer, citation_scores
-from agent.grounding import text_match as tm
-from evals.abstention import auroc
+from specrag.agent.grounding import GroundednessScorer, citation_scores
+from specrag.agent.grounding import text_match as tm
+from specrag.evals.groundedness.abstention import auroc
 
 DECODE_STAGES = ("draft", "verify", "accept", "grammar", "rollback")
 INVALID_CALL_ERRORS = frozenset({"invalid_arguments", "unknown_tool"})
@@ -135,7 +135,7 @@ def record(
 
 def answer_scores(run: Mapping[str, Any], scorer: GroundednessScorer | None = None) -> dict[str, Any]:
     """The scored fields of a record, from its answer, reference and passages alone (so a saved
-    report can be rescored when the scorer changes: ``python -m evals.run --rescore``)."""
+    report can be rescored when the scorer changes: ``python -m specrag.evals.groundedness.run --rescore``)."""
     answer = run["answer"]
     shown = {p["label"]: p["text"] for p in run["passages"]}
     question = run.get("question")

@@ -1,4 +1,4 @@
-"""report.md and the PNG plots of a groundedness eval (evals/run.py writes report.json itself)."""
+"""report.md and the PNG plots of a groundedness eval (evals/groundedness/run.py writes report.json itself)."""
 
 from __future__ import annotations
 

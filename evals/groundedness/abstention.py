@@ -6,7 +6,7 @@ exactly when p >= t, so the whole curve (unanswerable questions abstained vs ans
 ones refused) follows from one run; ``choose_threshold`` picks t on the dev half
 (odd-numbered ids) and the held-out half shows what the choice is worth.
 
-    python -m evals.abstention evals/reports/groundedness_qwen1.5b_dev/report.json
+    python -m specrag.evals.groundedness.abstention docs/reports/groundedness_qwen1.5b_dev/report.json
 """
 
 from __future__ import annotations
@@ -95,7 +95,9 @@ def sweep_report(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m evals.abstention", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m specrag.evals.groundedness.abstention", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("report", type=Path, help="report.json of a run with --measure-answerability")
     args = parser.parse_args(argv)
     records = json.loads(args.report.read_text(encoding="utf-8"))["records"]

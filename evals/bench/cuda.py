@@ -1,6 +1,6 @@
 """What a GPU changes: verify and batch costs, and whether packed steps stay exact there.
 
-    python -m evals.bench_cuda --config ~/.cache/specrag/models/qwen2.5-coder-1.5b/hf
+    python -m specrag.evals.bench.cuda --config ~/.cache/specrag/models/qwen2.5-coder-1.5b/hf
 
 Needs CUDA. Each model is built from its config with random weights on the GPU (costs
 depend on shapes, not values; exactness is a property of the kernels), so no weights
@@ -29,11 +29,11 @@ from collections.abc import Callable
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from decoding.batch_invariance import make_linears_row_exact, packed_matches_alone, verify_matches_steps
-from decoding.engine import Engine
-from decoding.model import CausalLM
-from decoding.packed import Chunk, packed_forward
-from decoding.request import GenerationRequest
+from specrag.decoding.batch_invariance import make_linears_row_exact, packed_matches_alone, verify_matches_steps
+from specrag.decoding.engine import Engine
+from specrag.decoding.model import CausalLM
+from specrag.decoding.packed import Chunk, packed_forward
+from specrag.decoding.request import GenerationRequest
 
 VERIFY_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 BATCHES = (1, 4, 16, 64)

@@ -1,8 +1,8 @@
 """Structured output on real-world schemas nobody here wrote: compiled, refused, valid, invalid.
 
-    python -m evals.schema_corpus --model qwen2.5-coder-0.5b --max-tokens 512 \\
-        --out evals/reports/schema_corpus_qwen0.5b
-    python -m evals.schema_corpus --model smollm2-135m --limit 8 --max-tokens 96   # minutes
+    python -m specrag.evals.studies.schema_corpus --model qwen2.5-coder-0.5b --max-tokens 512 \\
+        --out docs/reports/schema_corpus_qwen0.5b
+    python -m specrag.evals.studies.schema_corpus --model smollm2-135m --limit 8 --max-tokens 96   # minutes
 
 Each schema of ``tests/data/schemastore`` (120 SchemaStore schemas, see its SOURCES.md) is
 sent through the OpenAI-compatible chat path (``agent/openai_compat.py``: the same
@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-CORPUS = Path(__file__).resolve().parent.parent / "tests" / "data" / "schemastore"
+CORPUS = Path(__file__).resolve().parent.parent.parent / "tests" / "data" / "schemastore"
 PROMPT = "Write a short example {name} file. Reply with the JSON document only.\n\nWhat the file is: {description}"
 # --show-schema: the schema in the prompt as well as in the grammar, as Ollama's structured
 # output docs advise for grounding a model (vLLM and OpenAI's API leave the prompt to the user).
@@ -63,7 +63,7 @@ def load_corpus(limit: int | None = None) -> list[tuple[dict[str, Any], dict[str
 
 def request_body(content: str, schema: dict[str, Any], max_tokens: int, penalties: dict[str, float] | None) -> Any:
     """The chat request the eval sends for one schema: greedy, ``response_format`` json_schema."""
-    from agent.api_models import ChatCompletionRequest
+    from specrag.agent.api_models import ChatCompletionRequest
 
     return msgspec.convert(
         {
@@ -86,10 +86,10 @@ def run_one(
     penalties: dict[str, float] | None = None,
     show_schema: bool = False,
 ) -> Outcome:
-    from agent.api_models import ServerLimits
-    from agent.errors import ApiError
-    from agent.openai_compat import ChatRun, plan_chat
-    from tools.schema_check import SchemaViolation, validate_json_text
+    from specrag.agent.api_models import ServerLimits
+    from specrag.agent.errors import ApiError
+    from specrag.agent.openai_compat import ChatRun, plan_chat
+    from specrag.tools.schema_check import SchemaViolation, validate_json_text
 
     body = request_body(prompt_for(entry, schema, show_schema), schema, max_tokens, penalties)
     start = time.perf_counter()
@@ -118,7 +118,7 @@ _METRICS: dict[int, Any] = {}
 
 
 def _metrics(agent: Any) -> Any:
-    from agent.metrics import ServerMetrics
+    from specrag.agent.metrics import ServerMetrics
 
     return _METRICS.setdefault(id(agent), ServerMetrics(agent))
 
@@ -193,9 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="folder for report.json and report.md")
     args = parser.parse_args(argv)
 
-    from agent.openai_compat import repetition_penalty_for
-    from agent.runtime import Agent
-    from decoding.dtype_choice import cpu_model_name
+    from specrag.agent.openai_compat import repetition_penalty_for
+    from specrag.agent.runtime import Agent
+    from specrag.decoding.dtype_choice import cpu_model_name
 
     agent = Agent(model=args.model, dtype=args.dtype)
     penalties: dict[str, float] = {"frequency_penalty": args.frequency_penalty}
@@ -224,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         "repetition_penalty_sent": args.repetition_penalty is not None,
         "show_schema": args.show_schema,
         "cpu": cpu_model_name(),
-        "command": "python -m evals.schema_corpus " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m specrag.evals.studies.schema_corpus "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     print(json.dumps(summary, indent=2))
     if args.out:

@@ -1,7 +1,7 @@
 """Time to first token, cold vs warm prefix cache, for RAG prompts of 1k, 4k and 8k tokens.
 
-    python -m evals.bench_prefix                                   # smollm2 and qwen2.5-coder-0.5b
-    python -m evals.bench_prefix --models smollm2-135m --lengths 1024 --repeats 1   # seconds
+    python -m specrag.evals.bench.prefix                                   # smollm2 and qwen2.5-coder-0.5b
+    python -m specrag.evals.bench.prefix --models smollm2-135m --lengths 1024 --repeats 1   # seconds
 
 A prompt is the agent's (``agent/prompt.py``): system prompt and tool schemas, passages
 from the sample corpus up to the length, then a question. Per repeat and length:
@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from agent.prompt import PromptParts, build_messages, encode_messages
-from decoding import Engine, GenerationRequest
-from decoding.model import CausalLM, load_model
-from decoding.prefix_cache import PrefixCache
+from specrag.agent.prompt import PromptParts, build_messages, encode_messages
+from specrag.decoding import Engine, GenerationRequest
+from specrag.decoding.model import CausalLM, load_model
+from specrag.decoding.prefix_cache import PrefixCache
 
 QUESTIONS = (
     "What does the with statement do?",

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from decoding import Engine, GenerationRequest, GenerationStats
-from decoding.grammar import Grammar
-from decoding.model import CausalLM
-from decoding.numerics import find_divergence
-from decoding.policy import PolicyConfig
-from decoding.sampling import SamplingParams
-from evals.workloads import Encoded
+from specrag.decoding import Engine, GenerationRequest, GenerationStats
+from specrag.decoding.grammar import Grammar
+from specrag.decoding.model import CausalLM
+from specrag.decoding.numerics import find_divergence
+from specrag.decoding.policy import PolicyConfig
+from specrag.decoding.sampling import SamplingParams
+from specrag.evals.workloads import Encoded
 
 METHODS = ("plain", "hf", "hf_prompt_lookup", "hf_assisted", "ours_lookup", "ours_draft", "ours_auto")
 

@@ -1,6 +1,6 @@
 """Prompt-lookup cost per decoding step at 2k and 32k tokens of sources.
 
-    python -m evals.bench_lookup
+    python -m specrag.evals.bench.lookup
 
 Our drafter keeps hash indexes extended by each committed token, so a step costs the
 same at any source length; transformers' ``PromptLookupCandidateGenerator`` rescans the
@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
-from decoding.drafters import PromptLookupDrafter
-from decoding.model import load_model
+from specrag.decoding.drafters import PromptLookupDrafter
+from specrag.decoding.model import load_model
 
 SIZES = (2_000, 32_000)
 

@@ -1,6 +1,6 @@
-"""Render a benchmark JSON (``bench_decode --json``) as the compact table docs/benchmarks.md shows.
+"""Render a benchmark JSON (``specrag bench decode -- --json``) as the compact table docs/benchmarks.md shows.
 
-python -m evals.report_table evals/reports/bench_smollm2.json
+python -m specrag.evals.bench.report_table docs/reports/bench_smollm2.json
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from evals.bench_runs import METHODS
+from specrag.evals.bench.runs import METHODS
 
 
 def table(report: dict[str, Any]) -> str:

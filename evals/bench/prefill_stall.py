@@ -1,6 +1,6 @@
 """How much a long prompt arriving mid-flight slows the requests already decoding.
 
-``python -m evals.bench_prefill_stall --model qwen2.5-coder-0.5b --prompt-tokens 4096``:
+``python -m specrag.evals.bench.prefill_stall --model qwen2.5-coder-0.5b --prompt-tokens 4096``:
 ``--decoders`` requests (64-token prompts, speculation off) decode through
 ``Engine.step()``. First they decode alone for as many steps as the long prompt has chunks
 (their baseline inter-token latency); then a request with a long prompt arrives, and the
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from decoding import Engine, GenerationRequest, load_model
-from decoding.dtype_choice import cpu_has_native_bf16, cpu_model_name
-from decoding.model import PREFILL_CHUNK_TOKENS
+from specrag.decoding import Engine, GenerationRequest, load_model
+from specrag.decoding.dtype_choice import cpu_has_native_bf16, cpu_model_name
+from specrag.decoding.model import PREFILL_CHUNK_TOKENS
 
 
 def percentile(values: list[float], fraction: float) -> float:

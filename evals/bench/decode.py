@@ -1,8 +1,8 @@
 """The decoding benchmark matrix: workloads x methods, interleaved, medians.
 
-    python -m evals.bench_decode                              # or: specrag bench decode
-    python -m evals.bench_decode --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
-    python -m evals.bench_decode --quick                      # seconds: proves it runs
+    python -m specrag.evals.bench.decode                              # or: specrag bench decode
+    python -m specrag.evals.bench.decode --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
+    python -m specrag.evals.bench.decode --quick                      # seconds: proves it runs
 
 Methods: ``plain`` (our engine, speculation off: the baseline of every ratio), ``hf``
 (transformers ``generate``), ``hf_prompt_lookup`` (``prompt_lookup_num_tokens=10``),
@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from decoding.model import load_model
-from decoding.policy import PolicyConfig
-from decoding.sampling import SamplingParams
-from evals import workloads
-from evals.bench_runs import METHODS, MethodRunner, Row, machine, position_sums, summarise, write_outputs
+from specrag.decoding.model import load_model
+from specrag.decoding.policy import PolicyConfig
+from specrag.decoding.sampling import SamplingParams
+from specrag.evals import workloads
+from specrag.evals.bench.runs import METHODS, MethodRunner, Row, machine, position_sums, summarise, write_outputs
 
 QUICK = {
     "workloads": ["rag_quote"],

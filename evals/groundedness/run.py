@@ -1,6 +1,6 @@
 """`specrag eval groundedness`: run the agent over the groundedness set and score every answer.
 
-    python -m evals.run --out evals/reports/groundedness_0.5b --compare-off
+    python -m specrag.evals.groundedness.run --out docs/reports/groundedness_0.5b --compare-off
     specrag eval groundedness --model qwen2.5-coder-1.5b --out DIR --min-groundedness 0.85
 
 Writes report.json (config, summary, every record), report.md and four PNG plots into --out.
@@ -26,15 +26,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agent.cli_options import add_grounding_arguments, grounding_options, probability
-from agent.grounding import GroundednessScorer
-from agent.run_state import RunOptions
-from evals.abstention import split
-from evals.eval_metrics import answer_scores, compare_passes, record, summarize
-from evals.eval_report import render_markdown, write_plots
-from evals.nli import NliJudge, NliUnavailable
+from specrag.agent.cli_options import add_grounding_arguments, grounding_options, probability
+from specrag.agent.grounding import GroundednessScorer
+from specrag.agent.run_state import RunOptions
+from specrag.evals.groundedness.abstention import split
+from specrag.evals.groundedness.metrics import answer_scores, compare_passes, record, summarize
+from specrag.evals.groundedness.nli import NliJudge, NliUnavailable
+from specrag.evals.groundedness.report import render_markdown, write_plots
 
-DEFAULT_DATASET = Path(__file__).parent / "datasets" / "groundedness.jsonl"
+DEFAULT_DATASET = Path(__file__).parent.parent / "datasets" / "groundedness.jsonl"
 KINDS = ("single", "two_passage", "exact", "unanswerable", "bait")
 REQUIRED_FIELDS = ("id", "kind", "question", "reference", "answerable", "supporting")
 
@@ -78,7 +78,7 @@ def per_kind(items: Sequence[dict[str, Any]], count: int) -> list[dict[str, Any]
     return out
 
 
-def build_parser(prog: str = "python -m evals.run") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m specrag.evals.groundedness.run") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Groundedness eval of the agent over a question set.")
     add_arguments(parser)
     return parser
@@ -92,7 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--index", default=None, help="index directory (default: the sample corpus, built once)")
     parser.add_argument(
-        "--system", choices=["default", "citing"], default="default", help="system prompt (agent.prompt.SYSTEM_PROMPTS)"
+        "--system",
+        choices=["default", "citing"],
+        default="default",
+        help="system prompt (specrag.agent.prompt.SYSTEM_PROMPTS)",
     )
     parser.add_argument("--speculation", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("-k", type=int, default=5, help="passages shown in the prompt")
@@ -138,7 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--nli",
         type=Path,
         default=None,
-        help="local NLI cross-encoder folder: it judges the scorer's uncertain sentences (evals/nli.py)",
+        help="local NLI cross-encoder folder: it judges the scorer's uncertain sentences (evals/groundedness/nli.py)",
     )
     parser.add_argument(
         "--judge",
@@ -153,7 +156,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m evals.run") -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m specrag.evals.groundedness.run") -> int:
     args = build_parser(prog).parse_args(argv)
     return run(args, command=" ".join([prog, *(argv if argv is not None else sys.argv[1:])]))
 
@@ -161,7 +164,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m evals.run") -
 def _judge(model: str | None) -> Any:
     if model is None:
         return None
-    from agent.grounding.support_judge import SupportJudge
+    from specrag.agent.grounding.support_judge import SupportJudge
 
     return SupportJudge.for_model(model)
 
@@ -234,9 +237,9 @@ def _rescore(args: argparse.Namespace, command: str, scorer: GroundednessScorer)
 
 
 def _agent(args: argparse.Namespace) -> Any:
-    from agent.prompt import SYSTEM_PROMPTS
-    from agent.runtime import Agent
-    from agent.sample_index import ensure_sample_index
+    from specrag.agent.prompt import SYSTEM_PROMPTS
+    from specrag.agent.runtime import Agent
+    from specrag.agent.sample_index import ensure_sample_index
 
     index = args.index or ensure_sample_index(args.model, progress=not args.no_progress)
     system = SYSTEM_PROMPTS[args.system]
@@ -294,7 +297,7 @@ def _effective_min_similarity(args: argparse.Namespace) -> float | None:
         return args.citation_min_similarity
     if args.citation_min_similarity is not None:
         return args.citation_min_similarity
-    from agent.attribution import DEFAULT_MIN_SIMILARITY
+    from specrag.agent.attribution import DEFAULT_MIN_SIMILARITY
 
     return DEFAULT_MIN_SIMILARITY
 

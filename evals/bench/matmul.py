@@ -1,6 +1,6 @@
 """Why dtype "auto" picks float32 on CPUs without native bf16: GEMM throughput by dtype.
 
-    python -m evals.bench_matmul
+    python -m specrag.evals.bench.matmul
 
 Times [k x 576] @ [576 x 1536] (a SmolLM2-135M MLP projection) for k new tokens, the
 shapes of a one-token decode step (k=1) and of verify forwards (k=2..17).
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from decoding.dtype_choice import cpu_has_native_bf16
+from specrag.decoding.dtype_choice import cpu_has_native_bf16
 
 TOKENS = (1, 2, 4, 9, 17)
 

@@ -1,6 +1,6 @@
 """Post-hoc citations at several similarity thresholds, from a report's saved answers.
 
-    python -m evals.attribution_sweep evals/reports/groundedness_qwen1.5b_attributed/report.json
+    python -m specrag.evals.studies.attribution_sweep docs/reports/groundedness_qwen1.5b_attributed/report.json
 
 Every record keeps the text the model generated (``model_answer``) and the passages shown, so
 the attributor (agent/attribution.py) can cite them again at any ``min_similarity`` without
@@ -19,10 +19,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agent.attribution import Attributor, Embedder
-from agent.grounding import GroundednessScorer, citation_scores
-from agent.results import ShownPassage
-from evals.abstention import split
+from specrag.agent.attribution import Attributor, Embedder
+from specrag.agent.grounding import GroundednessScorer, citation_scores
+from specrag.agent.results import ShownPassage
+from specrag.evals.groundedness.abstention import split
 
 THRESHOLDS = (0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9)
 
@@ -64,11 +64,13 @@ def choose(rows: Sequence[Mapping[str, Any]], target: float) -> float | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m evals.attribution_sweep", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m specrag.evals.studies.attribution_sweep", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("report", type=Path, help="report.json of an eval run")
     parser.add_argument("--target", type=float, default=0.9, help="dev precision the chosen threshold must reach")
     args = parser.parse_args(argv)
-    from retrieval import Embedder as MiniLM
+    from specrag.retrieval import Embedder as MiniLM
 
     records = json.loads(args.report.read_text(encoding="utf-8"))["records"]
     rows = sweep(records, MiniLM())

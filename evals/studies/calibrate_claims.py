@@ -1,6 +1,6 @@
 """Agreement of the groundedness scorer with labelled claims, per corpus and split.
 
-    python -m evals.calibrate_claims [--judge qwen2.5-coder-1.5b] [--split held_out] [--json PATH]
+    python -m specrag.evals.studies.calibrate_claims [--judge qwen2.5-coder-1.5b] [--split held_out] [--json PATH]
 
 Two corpora:
 
@@ -29,11 +29,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from agent.grounding import GroundednessScorer
-from evals.abstention import split as odd_even_split
-from evals.calibrate_groundedness import write_json
+from specrag.agent.grounding import GroundednessScorer
+from specrag.evals.groundedness.abstention import split as odd_even_split
+from specrag.evals.studies.calibrate_groundedness import write_json
 
-DATASETS = Path(__file__).parent / "datasets"
+DATASETS = Path(__file__).parent.parent / "datasets"
 PYTHON_SET = DATASETS / "groundedness_calibration.jsonl"
 PROMETHEUS_SETS = {part: DATASETS / f"groundedness_claims_prometheus_{part}.jsonl" for part in ("dev", "held_out")}
 SPLITS = ("dev", "held_out")
@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     judge = None
     if args.judge:
-        from agent.grounding.support_judge import SupportJudge
+        from specrag.agent.grounding.support_judge import SupportJudge
 
         judge = SupportJudge.for_model(args.judge)
     scorer = GroundednessScorer(judge=judge)

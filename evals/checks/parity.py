@@ -1,8 +1,8 @@
 """Greedy parity: speculative output against plain greedy output on the parity prompts.
 
-    python -m evals.parity --dtype float32      # every output must be identical
-    python -m evals.parity --dtype bfloat16     # divergences must sit at near-ties
-    python -m evals.parity --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --cases 2
+    python -m specrag.evals.checks.parity --dtype float32      # every output must be identical
+    python -m specrag.evals.checks.parity --dtype bfloat16     # divergences must sit at near-ties
+    python -m specrag.evals.checks.parity --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --cases 2
 
 Prints one row per prompt and, in bf16, the divergence rate and the distribution of the
 plain top-2 gaps at the first divergent positions against the near-tie tolerance.
@@ -16,10 +16,10 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from decoding import Engine, GenerationRequest
-from decoding.model import CausalLM, load_model
-from decoding.numerics import Divergence, find_divergence
-from evals.prompts import PARITY_CASES, PromptCase, encode_case
+from specrag.decoding import Engine, GenerationRequest
+from specrag.decoding.model import CausalLM, load_model
+from specrag.decoding.numerics import Divergence, find_divergence
+from specrag.evals.prompts import PARITY_CASES, PromptCase, encode_case
 
 
 @dataclass

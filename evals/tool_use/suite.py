@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from tools import Tool, tool
+from specrag.tools import Tool, tool
 
 COUNTRIES = {
     "france": {"capital": "Paris", "population": "68 million", "currency": "euro"},

@@ -1,10 +1,10 @@
 """Tool use, in the spirit of the Berkeley Function-Calling Leaderboard: does the agent call
 the right tools with the right arguments, and answer with what they returned?
 
-    specrag eval tools --model qwen2.5-coder-1.5b --out evals/reports/tools_qwen1.5b
-    python -m evals.tool_eval --model qwen2.5-coder-0.5b --split dev --out /tmp/tools_dev
+    specrag eval tools --model qwen2.5-coder-1.5b --out docs/reports/tools_qwen1.5b
+    python -m specrag.evals.tool_use.run --model qwen2.5-coder-0.5b --split dev --out /tmp/tools_dev
 
-67 tasks (``evals/datasets/tool_tasks.jsonl``) over the ten tools of ``evals/tool_suite.py``
+67 tasks (``evals/datasets/tool_tasks.jsonl``) over the ten tools of ``evals/tool_use/suite.py``
 and the built-in document search, in six categories: simple (one call), multiple (the right
 one among similar tools), multi_step (a result feeds the next call), parallel (independent
 calls in one turn), irrelevance (no tool should be called) and documents (the sample
@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-DATASET = Path(__file__).resolve().parent / "datasets" / "tool_tasks.jsonl"
+DATASET = Path(__file__).resolve().parent.parent / "datasets" / "tool_tasks.jsonl"
 CATEGORIES = ("simple", "multiple", "multi_step", "parallel", "irrelevance", "documents")
 SPLITS = ("dev", "held_out")
 
@@ -233,11 +233,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, command: str) -> int:
     if args.rescore:
         return _rescore_folder(args.rescore)
-    from agent.runtime import Agent
-    from agent.sample_index import ensure_sample_index
-    from decoding.dtype_choice import cpu_model_name
-    from decoding.model import load_model
-    from evals.tool_suite import eval_tools
+    from specrag.agent.runtime import Agent
+    from specrag.agent.sample_index import ensure_sample_index
+    from specrag.decoding.dtype_choice import cpu_model_name
+    from specrag.decoding.model import load_model
+    from specrag.evals.tool_use.suite import eval_tools
 
     tasks = load_tasks(split=args.split)
     if args.only:
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    return run(args, "python -m evals.tool_eval " + " ".join(argv if argv is not None else sys.argv[1:]))
+    return run(args, "python -m specrag.evals.tool_use.run " + " ".join(argv if argv is not None else sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Plant known bugs one at a time and check that the tests catch each of them.
 
-    python -m evals.mutation_check            # all planted bugs
-    python -m evals.mutation_check --only kv  # those whose name contains "kv"
+    python -m specrag.evals.checks.mutation_check            # all planted bugs
+    python -m specrag.evals.checks.mutation_check --only kv  # those whose name contains "kv"
 
 Each mutation is a textual edit of one product file in a temporary copy of the working
 tree; the named tests then run there and must fail. A mutation the tests survive is a
@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 @dataclass(frozen=True)
@@ -293,7 +293,7 @@ MUTATIONS = (
     ),
     Mutation(
         "abstention_threshold_ties_refuse_more",
-        "evals/abstention.py",
+        "evals/groundedness/abstention.py",
         "        if j > best_j:",
         "        if j >= best_j:",
         ("tests/test_abstention_sweep.py",),
@@ -335,7 +335,7 @@ MUTATIONS = (
     ),
     Mutation(
         "nli_reads_the_claim_as_premise",
-        "evals/nli.py",
+        "evals/groundedness/nli.py",
         "pairs = [(premise, hypothesis) for premise in premises]",
         "pairs = [(hypothesis, premise) for premise in premises]",
         ("tests/test_nli.py",),
@@ -349,12 +349,21 @@ MUTATIONS = (
     ),
     Mutation(
         "report_records_no_default_citation_threshold",
-        "evals/run.py",
+        "evals/groundedness/run.py",
         "    return DEFAULT_MIN_SIMILARITY\n",
         "    return None\n",
         ("tests/test_eval_run.py::test_the_report_records_the_threshold_used_even_when_it_was_the_default",),
     ),
 )
+
+
+def link_namespace(workdir: Path) -> None:
+    """The copy's layers as ``specrag.*``: a ``specrag/`` folder of links, found through
+    PYTHONPATH before the editable install's finder (which maps the original tree)."""
+    namespace = workdir / "specrag"
+    namespace.mkdir()
+    for layer in ("agent", "decoding", "retrieval", "tools", "evals"):
+        (namespace / layer).symlink_to(workdir / layer, target_is_directory=True)
 
 
 def run_mutation(mutation: Mutation, workdir: Path) -> bool:
@@ -384,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(temp) / "tree"
         ignore = shutil.ignore_patterns(".venv", ".git", "__pycache__", ".pytest_cache", ".hypothesis")
         shutil.copytree(ROOT, workdir, ignore=ignore)
+        link_namespace(workdir)
         for mutation in selected:
             caught = run_mutation(mutation, workdir)
             print(f"{'caught  ' if caught else 'SURVIVED'} {mutation.name}  ({', '.join(mutation.tests)})", flush=True)

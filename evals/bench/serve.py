@@ -1,6 +1,6 @@
 """Serving under load: open-loop Poisson arrivals through the real HTTP server.
 
-    python -m evals.bench_serve --model smollm2-135m --rate 0.5 --rate 1 --rate 2 --duration 30
+    python -m specrag.evals.bench.serve --model smollm2-135m --rate 0.5 --rate 1 --rate 2 --duration 30
     specrag bench serve -- --help
 
 The app (``agent/server.py``) is served by uvicorn on a local port in this process; requests
@@ -33,8 +33,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from evals import workloads
-from evals.bench_runs import machine, write_outputs
+from specrag.evals import workloads
+from specrag.evals.bench.runs import machine, write_outputs
 
 MODES = ("off", "on", "auto")
 MIX = ("rag_quote", "rag_explain", "code_edit", "chat_open")
@@ -189,9 +189,9 @@ def request_bodies(mix: list[str], max_tokens: int, mode: str) -> dict[str, dict
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from agent.live_server import LiveServer
-    from agent.runtime import Agent
-    from agent.server import create_app
+    from specrag.agent.live_server import LiveServer
+    from specrag.agent.runtime import Agent
+    from specrag.agent.server import create_app
 
     agent = Agent(model=args.model, dtype=args.dtype, concurrent=True, search_tool=False)
     results = []

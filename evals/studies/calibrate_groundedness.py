@@ -1,6 +1,6 @@
 """How well the groundedness scorer detects planted unsupported answers.
 
-    python -m evals.calibrate_groundedness [--json evals/reports/groundedness_calibration.json]
+    python -m specrag.evals.studies.calibrate_groundedness [--json docs/reports/groundedness_calibration.json]
 
 Each item of ``evals/datasets/groundedness_calibration.jsonl`` is an answer, the passages it
 is checked against, a label (supported / unsupported) and a kind (verbatim, paraphrase, or
@@ -24,11 +24,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from agent.grounding import GroundednessScorer, ScorerSettings
-from evals.abstention import split
-from evals.nli import NliJudge, NliUnavailable
+from specrag.agent.grounding import GroundednessScorer, ScorerSettings
+from specrag.evals.groundedness.abstention import split
+from specrag.evals.groundedness.nli import NliJudge, NliUnavailable
 
-DEFAULT_SET = Path(__file__).parent / "datasets" / "groundedness_calibration.jsonl"
+DEFAULT_SET = Path(__file__).parent.parent / "datasets" / "groundedness_calibration.jsonl"
 PLANTS = ("number", "entity", "invented", "negation", "wrong_passage")
 SUPPORTED_KINDS = ("verbatim", "paraphrase")
 
@@ -140,7 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the full report (with every error) here")
     parser.add_argument("--errors", action="store_true", help="print every misjudged item")
     parser.add_argument("--lexical", action="store_true", help="without the embedding model")
-    parser.add_argument("--nli", type=Path, default=None, help="local NLI cross-encoder folder (evals/nli.py)")
+    parser.add_argument(
+        "--nli", type=Path, default=None, help="local NLI cross-encoder folder (evals/groundedness/nli.py)"
+    )
     args = parser.parse_args(argv)
     try:
         nli = NliJudge(args.nli) if args.nli else None

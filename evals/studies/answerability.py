@@ -1,11 +1,11 @@
 """Which probe wording separates unanswerable questions best: P(no) for each, no answers.
 
-    python -m evals.answerability_study --model qwen2.5-coder-1.5b --split dev --system citing \\
-        --out evals/reports/answerability_study_qwen1.5b.json
+    python -m specrag.evals.studies.answerability --model qwen2.5-coder-1.5b --split dev --system citing \\
+        --out docs/reports/answerability_study_qwen1.5b.json
 
 Every question's prompt is prefilled once; each wording then costs a forward over its own
 few tokens (the prefix cache holds the rest), and one answer token. The report gives each
-wording's AUROC (unanswerable vs answerable) and the threshold ``evals.abstention`` would
+wording's AUROC (unanswerable vs answerable) and the threshold ``specrag.evals.groundedness.abstention`` would
 choose on these questions. The wording and threshold the agent uses were chosen this way on
 the dev half (odd ids) only; the held-out half of ``specrag eval groundedness`` tests them.
 """
@@ -19,9 +19,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agent import answerability
-from evals.abstention import auroc, choose_threshold, rates, split
-from evals.run import DEFAULT_DATASET, load_dataset
+from specrag.agent import answerability
+from specrag.evals.groundedness.abstention import auroc, choose_threshold, rates, split
+from specrag.evals.groundedness.run import DEFAULT_DATASET, load_dataset
 
 WORDINGS = {
     "contain": "Do the passages above contain the answer to this question? Reply with yes or no only.",
@@ -65,7 +65,9 @@ def summarize(rows: Sequence[Mapping[str, Any]], wordings: Sequence[str]) -> dic
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m evals.answerability_study", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m specrag.evals.studies.answerability", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--dataset", type=Path, default=DEFAULT_DATASET)
     parser.add_argument("--split", choices=["all", "dev", "held_out"], default="dev")
@@ -74,9 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="JSON report")
     args = parser.parse_args(argv)
 
-    from agent.prompt import SYSTEM_PROMPTS
-    from agent.runtime import Agent
-    from agent.sample_index import ensure_sample_index
+    from specrag.agent.prompt import SYSTEM_PROMPTS
+    from specrag.agent.runtime import Agent
+    from specrag.agent.sample_index import ensure_sample_index
 
     items = split(load_dataset(args.dataset), args.split)[: args.limit]
     index = ensure_sample_index(args.model, progress=False)

@@ -1,7 +1,7 @@
 """An optional NLI judge for the groundedness scorer: a cross-encoder read from a local folder.
 
 No NLI weights ship with specrag and none are ever downloaded (``local_files_only``): the flag
-(``specrag eval groundedness --nli DIR``, ``python -m evals.calibrate_groundedness --nli DIR``)
+(``specrag eval groundedness --nli DIR``, ``python -m specrag.evals.studies.calibrate_groundedness --nli DIR``)
 takes any Hugging Face sequence-classification folder whose ``config.json`` names an
 entailment label (``id2label``), e.g. an MNLI-trained cross-encoder copied onto the machine.
 With it, a sentence in the scorer's uncertain band (some but not most of its words in the

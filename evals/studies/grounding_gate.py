@@ -1,6 +1,6 @@
 """The grounding check's trade-off, from a report's saved answers.
 
-    python -m evals.grounding_gate evals/reports/groundedness_prometheus_qwen0.5b/report.json
+    python -m specrag.evals.studies.grounding_gate docs/reports/groundedness_prometheus_qwen0.5b/report.json
 
 The run's check (``agent/grounding/check.py``) is a function of the answer, the question and
 the passages shown, all of which a report keeps, so ``grounding="abstain"`` at every
@@ -21,9 +21,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agent.grounding import GroundednessResult, GroundednessScorer
-from agent.grounding import text_match as tm
-from agent.grounding.check import DEFAULT_MIN_SUPPORTED, is_grounded
+from specrag.agent.grounding import GroundednessResult, GroundednessScorer
+from specrag.agent.grounding import text_match as tm
+from specrag.agent.grounding.check import DEFAULT_MIN_SUPPORTED, is_grounded
 
 SHARES = (0.2, 0.34, 0.5, 0.67, 0.75, 1.0)
 
@@ -82,14 +82,16 @@ def render(path: str, result: Mapping[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m evals.grounding_gate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m specrag.evals.studies.grounding_gate", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("reports", type=Path, nargs="+", help="report.json files of eval runs")
     parser.add_argument("--judge", default=None, help="a model pack that also judges claims (as --grounding-judge)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
     judge = None
     if args.judge:
-        from agent.grounding.support_judge import SupportJudge
+        from specrag.agent.grounding.support_judge import SupportJudge
 
         judge = SupportJudge.for_model(args.judge)
     scorer = GroundednessScorer(judge=judge)

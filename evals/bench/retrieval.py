@@ -1,8 +1,8 @@
 """Retrieval quality and cost: recall@k and MRR on a labelled set, build time and memory,
 HNSW against exact search, and query latency at 10k and 100k chunks.
 
-    python -m evals.bench_retrieval                      # sample corpus, chunks of 128 and 256 tokens
-    python -m evals.bench_retrieval --chunk-tokens 256 --sizes 10000 --queries 50   # quicker
+    python -m specrag.evals.bench.retrieval                      # sample corpus, chunks of 128 and 256 tokens
+    python -m specrag.evals.bench.retrieval --chunk-tokens 256 --sizes 10000 --queries 50   # quicker
 
 Quality: every question of ``evals/datasets/retrieval_sample.jsonl`` names the sample-corpus
 sources that answer it; a retrieved passage is relevant when its source is one of them.
@@ -29,11 +29,19 @@ from typing import Any
 
 import numpy as np
 
-from retrieval import Chunker, ChunkerSettings, Embedder, Retriever, build_index, load_sample_corpus, load_token_counter
-from retrieval.lexical import LexicalIndex
-from retrieval.store import make_faiss_index
+from specrag.retrieval import (
+    Chunker,
+    ChunkerSettings,
+    Embedder,
+    Retriever,
+    build_index,
+    load_sample_corpus,
+    load_token_counter,
+)
+from specrag.retrieval.lexical import LexicalIndex
+from specrag.retrieval.store import make_faiss_index
 
-DATASET = Path(__file__).resolve().parent / "datasets" / "retrieval_sample.jsonl"
+DATASET = Path(__file__).resolve().parent.parent / "datasets" / "retrieval_sample.jsonl"
 KS = (1, 3, 5, 10)
 
 

@@ -1,7 +1,7 @@
 """Cost of one target forward over k new tokens, the term that decides whether a verify pays.
 
-    python -m evals.bench_forward --model smollm2-135m --context 512 --context 4096
-    python -m evals.bench_forward --model qwen2.5-coder-1.5b --dtype float32 --dtype bfloat16 --context 512
+    python -m specrag.evals.bench.forward --model smollm2-135m --context 512 --context 4096
+    python -m specrag.evals.bench.forward --model qwen2.5-coder-1.5b --dtype float32 --dtype bfloat16 --context 512
 
 For k in {1, 2, 4, 8, 9, 16}, each dtype and each context length, median milliseconds of
 a forward with the stock transformers paths (``F.linear``, repeated KV heads,
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from decoding.model import CausalLM, load_model
+from specrag.decoding.model import CausalLM, load_model
 
 TOKEN_COUNTS = (1, 2, 4, 8, 9, 16)
 

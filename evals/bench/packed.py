@@ -1,7 +1,7 @@
 """Cost of one engine step over B sequences: B forwards one after another, as
 ``Engine.step()`` runs today, against one packed forward (``decoding/packed.py``).
 
-    python -m evals.bench_packed --model smollm2-135m --dtype bfloat16 --dtype float32
+    python -m specrag.evals.bench.packed --model smollm2-135m --dtype bfloat16 --dtype float32
 
 For each batch size B and chunk kind (1 token per sequence: plain decode; 9: a γ = 8
 verify), median milliseconds of the sequential forwards and of the packed one, over
@@ -27,10 +27,10 @@ import time
 
 import torch
 
-from decoding.kv import SequenceKV
-from decoding.kv_pool import KVPool
-from decoding.model import CausalLM, load_model
-from decoding.packed import Chunk, packed_forward
+from specrag.decoding.kv import SequenceKV
+from specrag.decoding.kv_pool import KVPool
+from specrag.decoding.model import CausalLM, load_model
+from specrag.decoding.packed import Chunk, packed_forward
 
 BATCH_SIZES = (1, 4, 8, 16)
 CHUNK_TOKENS = (1, 9)
@@ -79,8 +79,8 @@ def measure(model: CausalLM, context: int, repeats: int) -> list[dict[str, float
 def engine_rates(model: CausalLM, batch: int, max_tokens: int, repeats: int) -> dict[bool, float]:
     """Aggregate tok/s of ``Engine.step()`` over ``batch`` greedy requests (speculation off),
     packed and not, alternating; medians over ``repeats``."""
-    from decoding.engine import Engine
-    from decoding.request import GenerationRequest
+    from specrag.decoding.engine import Engine
+    from specrag.decoding.request import GenerationRequest
 
     generator = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(100, 5000, (64,), generator=generator).tolist() for _ in range(batch)]
@@ -107,9 +107,9 @@ def draft_rates(
     (the workloads of ``DRAFT_MIX`` in turn) that ``draft`` drafts for (speculation on, γ 4),
     packed (one packed draft forward per draft position for all, then one target forward)
     and one by one, alternating; medians over ``repeats``."""
-    from decoding.engine import Engine
-    from decoding.request import GenerationRequest
-    from evals import workloads
+    from specrag.decoding.engine import Engine
+    from specrag.decoding.request import GenerationRequest
+    from specrag.evals import workloads
 
     limit = int(getattr(target.config, "max_position_embeddings", 32768))
     encoded = [workloads.load(name).encode(target.tokenizer, limit) for name in DRAFT_MIX]
