@@ -36,7 +36,9 @@ reference in the benchmark run the same weights.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -64,10 +66,29 @@ ROW_EXACT_QUERY_BLOCK = 16
 # prefix cache's block size), each over exactly the keys up to its block's end, so a
 # prompt row gets the same bits however the prompt is cut into prefill chunks.
 PREFILL_BLOCK = 32
-# Which rows of the forward under way are prompt rows ([T] bool, every chunk's rows in
-# order), set by ``decoding/packed.py``: row-blocked linears compute them apart
-# (``SkinnyLinear.prompt_block``). None: no prompt rows, or a forward outside the packed call.
-PROMPT_ROWS: ContextVar[torch.Tensor | None] = ContextVar("specrag_prompt_rows", default=None)
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """Which rows of the forward under way are prompt rows: index tensors of the prompt
+    rows and of the others among ``total``, built on the host once per forward, so a
+    linear reads no flag off the device (a sync per layer on a GPU)."""
+
+    total: int
+    prompt: torch.Tensor
+    other: torch.Tensor
+
+    @classmethod
+    def of(cls, flags: Sequence[bool], device: torch.device | str = "cpu") -> PromptRows:
+        prompt = [row for row, flag in enumerate(flags) if flag]
+        other = [row for row, flag in enumerate(flags) if not flag]
+        as_index = functools.partial(torch.tensor, dtype=torch.long, device=device)
+        return cls(len(flags), as_index(prompt), as_index(other))
+
+
+# Set by ``decoding/packed.py`` for a forward with prompt rows: row-blocked linears compute
+# them apart (``SkinnyLinear.prompt_block``). None: no prompt rows, or a forward outside it.
+PROMPT_ROWS: ContextVar[PromptRows | None] = ContextVar("specrag_prompt_rows", default=None)
 
 
 class SkinnyLinear(torch.nn.Linear):
@@ -104,13 +125,12 @@ class SkinnyLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        prompt_rows = PROMPT_ROWS.get() if self.prompt_block is not None else None
-        if prompt_rows is not None and prompt_rows.numel() == rows.shape[0] and bool(prompt_rows.any()):
+        layout = PROMPT_ROWS.get() if self.prompt_block is not None else None
+        if layout is not None and layout.total == rows.shape[0] and layout.prompt.numel():
             out = rows.new_empty(rows.shape[0], self.out_features)
-            out[prompt_rows] = self._prompt_product(rows[prompt_rows])
-            others = ~prompt_rows
-            if bool(others.any()):
-                out[others] = self._blocked_product(rows[others])
+            out[layout.prompt] = self._prompt_product(rows[layout.prompt])
+            if layout.other.numel():
+                out[layout.other] = self._blocked_product(rows[layout.other])
         else:
             out = self._blocked_product(rows)
         return out.reshape(*x.shape[:-1], out.shape[-1])

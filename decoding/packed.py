@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specrag.decoding.fast_paths import PACKED_KWARG, PROMPT_ROWS, ROW_EXACT_KWARG
+from specrag.decoding.fast_paths import PACKED_KWARG, PROMPT_ROWS, ROW_EXACT_KWARG, PromptRows
 from specrag.decoding.kv import SequenceKV
 from specrag.decoding.model import CausalLM
 
@@ -85,7 +85,7 @@ def packed_forward(lm: CausalLM, chunks: Sequence[Chunk]) -> list[torch.Tensor]:
     ]
     prompt_rows = None
     if any(chunk.prompt for chunk in chunks):  # row-blocked linears compute them apart
-        prompt_rows = torch.tensor([chunk.prompt for chunk in chunks for _ in chunk.token_ids], device=device)
+        prompt_rows = PromptRows.of([chunk.prompt for chunk in chunks for _ in chunk.token_ids], device)
     marked = PROMPT_ROWS.set(prompt_rows)
     try:
         output = lm.model(

@@ -82,7 +82,7 @@ def test_prompt_rows_go_in_products_of_exactly_the_prompt_block(monkeypatch: pyt
     layer.row_block, layer.prompt_block = 4, 8
     counts = _switching_product(monkeypatch, rows_limit=8)
     x = torch.randn(13, 16, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-    prompt_rows = torch.tensor([False, False] + [True] * 10 + [False])  # a step, a prompt chunk, a step
+    prompt_rows = fast_paths.PromptRows.of([False, False] + [True] * 10 + [False])  # a step, a prompt chunk, a step
     marked = fast_paths.PROMPT_ROWS.set(prompt_rows)
     try:
         out = layer(x[None])[0]
