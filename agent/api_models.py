@@ -152,6 +152,9 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     repetition_penalty: RepetitionPenalty | None = None
     n: int = 1
     speculation: Speculation = "auto"
+    # OpenAI's end-user id. specrag also scopes drafting from earlier outputs by it: a
+    # request that names a user may copy that user's earlier answers, and no one else's.
+    user: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
 
 
 class ServerLimits(msgspec.Struct, frozen=True, kw_only=True):

@@ -108,6 +108,7 @@ def plan_chat(agent: Any, body: ChatCompletionRequest, limits: ServerLimits) -> 
         stop_sequences=_stop_token_sequences(tokenizer, stops),
         logits_processors=_penalty_processors(body, len(prompt)),
         grammar=grammar,
+        tenant=f"user:{body.user}" if body.user is not None else None,
     )
     kv = getattr(getattr(agent, "engine", None), "kv", None)
     try:

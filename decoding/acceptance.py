@@ -19,12 +19,13 @@ from __future__ import annotations
 import torch
 
 from specrag.decoding.drafters.base import Draft
-from specrag.decoding.sampling import SamplingParams, on_generator_device, probs_from_logits, select_token
-
-# Below this residual mass the target and draft rows agree up to float rounding; the
-# rejection that led here had probability of about this mass, so drawing from p instead
-# of the (numerically meaningless) residual moves at most that much probability.
-RESIDUAL_MASS_EPS = 1e-9
+from specrag.decoding.sampling import (
+    RESIDUAL_MASS_EPS,
+    SamplingParams,
+    on_generator_device,
+    probs_from_logits,
+    select_token,
+)
 
 
 def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, torch.Tensor]:

@@ -34,6 +34,7 @@ and a finished sequence leaves its blocks behind for follow-up turns.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import secrets
@@ -45,6 +46,7 @@ import torch
 from specrag.decoding import policy as policies
 from specrag.decoding.cycles import decode_cycle, grammar_accept, next_mask, no_draft, row_processor
 from specrag.decoding.drafters import Draft, Drafter, ModelDrafter
+from specrag.decoding.drafters.history import HistoryIndex
 from specrag.decoding.drafters.model_drafter import SOURCE as MODEL_SOURCE
 from specrag.decoding.forward_timer import ForwardTimer, prompt_costs
 from specrag.decoding.grammar import GrammarState
@@ -63,10 +65,15 @@ from specrag.decoding.sampling import select_token
 from specrag.decoding.sequence import SequenceState, make_drafters
 from specrag.decoding.stats import CycleInfo, GenerationStats, StatsMark
 from specrag.decoding.step_driver import Cycle, CycleResult, ForwardNeed, StepBatch
+from specrag.decoding.tree_sizing import grow_tree
 
 __all__ = ["Engine", "GenerationEvent", "GenerationRequest"]
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2 * PREFILL_CHUNK_TOKENS  # until the cost model is measured
+TREE_BRANCHES = 4  # alternative chains prompt lookup offers a tree, when trees are on
+# The cross-request index's bounds: about 5 index entries per token, so at most ~3M entries.
+HISTORY_TOKENS_PER_TENANT = 20_000
+HISTORY_TENANTS = 32
 
 
 class Engine:
@@ -97,6 +104,8 @@ class Engine:
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
         self.policy_config = policy or PolicyConfig()
+        # Earlier outputs per tenant (requests that name one): bounded, a tenant's own only.
+        self.history = HistoryIndex(max_tokens_per_tenant=HISTORY_TOKENS_PER_TENANT, max_tenants=HISTORY_TENANTS)
         self.cost_model = cost_model
         self.debug = debug if debug is not None else os.environ.get("SPECRAG_DEBUG") == "1"
         self.kv = KVManager(target, draft, prefix_cache, kv_cache_bytes)
@@ -135,10 +144,13 @@ class Engine:
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
         generator = torch.Generator().manual_seed(seed)
         stop_ids = self._eos_ids if request.stop_token_ids is None else frozenset(request.stop_token_ids)
+        config = self.policy_config
+        if request.tree_nodes is not None:
+            config = dataclasses.replace(config, tree_nodes=request.tree_nodes)
         request_policy = RequestPolicy(
             request.speculation,
             request.num_speculative_tokens,
-            self.policy_config,
+            config,
             self.cost_model,
             supported=speculation_supported(request),
             shared=self._shared_acceptance,
@@ -155,6 +167,9 @@ class Engine:
                 generator,
                 grammar,
                 ngram=(self.min_ngram, self.max_ngram),
+                # Trees need the packed attention that verifies them; a grammar follows one chain.
+                branches=TREE_BRANCHES if config.tree_nodes and self.target.packs_prompts and not grammar else 0,
+                history=self.history,
                 draft=self.draft,
                 draft_kv=self.kv.new_draft_kv,
                 draft_prefix_cache=self.draft_prefix_cache,
@@ -275,6 +290,9 @@ class Engine:
             del self._active[seq.seq_id]
             if result.error is None:
                 self.kv.cache_finished(seq.kv, seq.draft_kvs())
+                if seq.request.tenant is not None:  # with the prompt's last n-gram: a key to its start
+                    start = max(0, seq.stats.prompt_tokens - self.history.max_ngram)
+                    self.history.add(seq.request.tenant, seq.tokens[start:])
             seq.release_kv()
         elif self.debug:
             seq.check_invariants()
@@ -318,7 +336,14 @@ class Engine:
             if not draft.tokens:
                 return (yield from decode_cycle(seq, self._observe_forward, no_draft(), policies.NO_PROPOSAL))
         seq.stats.probe_cycles += choice.reason == "probe"
-        return (yield from decode_cycle(seq, self._observe_forward, draft.truncated(choice.gamma)))
+        chain = draft.truncated(choice.gamma)
+        if draft.alternatives and seq.kv.compacts:
+            # Its rows are written past the cache like a chain's: within the reserved positions.
+            nodes = min(seq.policy.config.tree_nodes, remaining - 1)
+            if self._load is not None:  # a tree's nodes count against the step's budget
+                nodes = min(nodes, max(self.max_num_batched_tokens - self._load.tokens - 1, choice.gamma))
+            chain = grow_tree(seq.policy, chain, draft.alternatives, nodes, self._load)
+        return (yield from decode_cycle(seq, self._observe_forward, chain))
 
     def _consider(
         self, seq: SequenceState, drafter: Drafter, cap: int, remaining: int

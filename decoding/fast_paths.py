@@ -47,6 +47,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from specrag.decoding.tree_attention import attend_tree
+
 ATTENTION_NAME = "specrag_sdpa"
 # The keyword CausalLM.forward passes through transformers to the attention function when
 # the new tokens are a plain causal append to the cache (no tree, no padding), which is
@@ -356,32 +358,44 @@ def _attend_packed(
     module: torch.nn.Module, query: torch.Tensor, packed: Any, scaling: float | None, row_exact: bool
 ) -> torch.Tensor:
     """Each chunk's query rows attend to their own sequence's keys (``decoding/packed.py``):
-    prompt rows in aligned blocks, other rows by the call a batch-1 forward would make."""
+    prompt rows in aligned blocks, other rows by the call a batch-1 forward would make, a
+    draft tree's rows path by path in that same call (``decoding/tree_attention.py``)."""
+
+    def chain(rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return _attend_chain(module, rows, key, value, scaling, row_exact)
+
     outputs = []
     layer_kv = packed.layer_kv[module.layer_idx]
     for chunk, (start, end), (key, value) in zip(packed.chunks, packed.bounds, layer_kv, strict=True):
         rows = query[:, :, start:end]
         if chunk.prompt:
             outputs.append(attend_prompt_blocks(rows, key, value, scaling))
-            continue
-        if row_exact and end - start <= ROW_EXACT_MAX_QUERY:
-            outputs.append(_attend_rows_canonically(module, rows, key, value, scaling))
-            continue
-        if end - start == 1:  # one row sees every key: no mask, the fast kernel
-            gqa = key.shape[1] != rows.shape[1]
-            outputs.append(F.scaled_dot_product_attention(rows, key, value, scale=scaling, enable_gqa=gqa))
-            continue
-        hidden = (
-            torch.arange(key.shape[2], device=query.device)[None, :]
-            > torch.arange(key.shape[2] - (end - start), key.shape[2], device=query.device)[:, None]
-        )  # row i sees the keys up to its own position: the sequence's causal rule
-        mask = torch.zeros(hidden.shape, dtype=query.dtype, device=query.device).masked_fill(hidden, float("-inf"))
-        outputs.append(
-            F.scaled_dot_product_attention(
-                rows, key, value, attn_mask=mask[None, None], scale=scaling, enable_gqa=key.shape[1] != rows.shape[1]
-            )
-        )
+        elif chunk.tree is not None:
+            outputs.append(attend_tree(rows, key, value, chunk.tree, chain))
+        else:
+            outputs.append(chain(rows, key, value))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
+def _attend_chain(
+    module: torch.nn.Module,
+    rows: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    row_exact: bool,
+) -> torch.Tensor:
+    """The last ``rows`` of a sequence attending causally to its keys, as a batch-1 forward does."""
+    count = rows.shape[2]
+    if row_exact and count <= ROW_EXACT_MAX_QUERY:
+        return _attend_rows_canonically(module, rows, key, value, scaling)
+    gqa = key.shape[1] != rows.shape[1]
+    if count == 1:  # one row sees every key: no mask, the fast kernel
+        return F.scaled_dot_product_attention(rows, key, value, scale=scaling, enable_gqa=gqa)
+    positions = torch.arange(key.shape[2], device=rows.device)
+    hidden = positions[None, :] > positions[key.shape[2] - count :, None]  # row i sees keys up to its own
+    mask = torch.zeros(hidden.shape, dtype=rows.dtype, device=rows.device).masked_fill(hidden, float("-inf"))
+    return F.scaled_dot_product_attention(rows, key, value, attn_mask=mask[None, None], scale=scaling, enable_gqa=gqa)
 
 
 AttentionInterface.register(ATTENTION_NAME, _sdpa_shared_kv_heads)

@@ -59,6 +59,16 @@ class GrowableLayer(DynamicLayer):
         if tokens_to_remove and self.is_initialized:
             self._set_length(self._length + tokens_to_remove)
 
+    def keep_rows(self, start: int, rows: Sequence[int]) -> None:
+        """Positions ``start + rows[j]`` move to ``start + j`` and the cache ends after them."""
+        if not self.is_initialized:
+            return
+        index = torch.tensor([start + row for row in rows], dtype=torch.long, device=self._key_buffer.device)
+        end = start + len(rows)
+        self._key_buffer[..., start:end, :] = self._key_buffer.index_select(-2, index)
+        self._value_buffer[..., start:end, :] = self._value_buffer.index_select(-2, index)
+        self._set_length(end)
+
     def _capacity(self) -> int:
         return self._key_buffer.shape[-2] if self._key_buffer.dim() == 4 else 0
 
@@ -206,6 +216,24 @@ class PagedLayer(DynamicLayer):
         self.keys, self.values = self._read(keys), self._read(values)
         return self.keys, self.values
 
+    def keep_rows(self, start: int, rows: Sequence[int]) -> None:
+        """Positions ``start + rows[j]`` move to ``start + j``; the table frees whole blocks
+        past the new end (``SequenceKV.compact``). The rows were written by this sequence's
+        last forward, so their blocks are its own (``prepare_write`` made them private)."""
+        if not self.is_initialized:
+            return
+        keys, values = self.table.pool.storage(self.layer_idx)
+        kept_keys = self.keys[0, :, [start + row for row in rows]]  # [heads, rows, dim], a copy
+        kept_values = self.values[0, :, [start + row for row in rows]]
+        size = self.table.pool.block_tokens
+        for offset in range(len(rows)):
+            position = start + offset
+            block, slot = self.table.blocks[position // size], position % size
+            keys[:, block, slot] = kept_keys[:, offset]
+            values[:, block, slot] = kept_values[:, offset]
+        self._length = start + len(rows)
+        self.keys, self.values = self._read(keys), self._read(values)
+
     def _read(self, storage: torch.Tensor) -> torch.Tensor:
         index, consecutive = self.table.read_index(storage.device)
         heads, _, size, head_dim = storage.shape
@@ -274,6 +302,28 @@ class SequenceKV:
             if self.table is not None:
                 self.table.truncate(length)
         return dropped
+
+    @property
+    def compacts(self) -> bool:
+        """Whether every layer can keep a tree's accepted rows (``compact``)."""
+        return all(hasattr(layer, "keep_rows") for layer in self.cache.layers)
+
+    def compact(self, start: int, rows: Sequence[int]) -> None:
+        """After a tree verify: keep the rows ``rows`` (offsets from ``start``, increasing)
+        of the tokens appended at ``start``, moved to ``start, start + 1, ...``, and drop the
+        rest. When the kept rows already lead (a chain, or the tree's first path) this is a
+        crop."""
+        if list(rows) != sorted(set(rows)) or (rows and (rows[0] < 0 or start + rows[-1] >= len(self))):
+            raise ValueError(f"rows to keep must increase within the appended tokens, got {list(rows)}")
+        if list(rows) == list(range(len(rows))):
+            self.crop(start + len(rows))
+            return
+        with torch.inference_mode():  # the caches are inference tensors, written in place
+            for layer in self.cache.layers:
+                layer.keep_rows(start, rows)
+        self.token_ids[start:] = [self.token_ids[start + row] for row in rows]
+        if self.table is not None:
+            self.table.truncate(len(self.token_ids))
 
     def discard_unrecorded(self) -> None:
         """After a forward that raised part-way: drop the rows some layers appended for

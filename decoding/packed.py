@@ -28,6 +28,7 @@ import torch
 from specrag.decoding.fast_paths import PACKED_KWARG, PROMPT_ROWS, ROW_EXACT_KWARG, PromptRows
 from specrag.decoding.kv import SequenceKV
 from specrag.decoding.model import CausalLM
+from specrag.decoding.tree_attention import TreeRows
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,13 @@ class Chunk:
     token_ids: Sequence[int]
     prompt: bool = False  # prompt rows: attended in aligned blocks (fast_paths.attend_prompt_blocks)
     last_only: bool = False  # only the last row's logits are read (the others skip the LM head)
+    tree: TreeRows | None = None  # a draft tree's rows (decoding/tree_attention.py), else a chain
+
+    def positions(self) -> torch.Tensor:
+        """Each row's position: after the cache in order, or a tree row's at its depth."""
+        if self.tree is not None:
+            return torch.tensor([len(self.kv) + depth for depth in self.tree.depths])
+        return torch.arange(len(self.kv), len(self.kv) + len(self.token_ids))
 
 
 class _PackedCache:
@@ -71,11 +79,11 @@ def packed_forward(lm: CausalLM, chunks: Sequence[Chunk]) -> list[torch.Tensor]:
         raise ValueError("a packed forward needs at least one chunk, each with a token")
     if len({id(chunk.kv) for chunk in chunks}) != len(chunks):
         raise ValueError("a sequence can contribute one chunk to a packed forward")
+    if any(chunk.tree is not None and len(chunk.tree.depths) != len(chunk.token_ids) for chunk in chunks):
+        raise ValueError("a tree chunk needs one depth per token")
     device = lm.device
     ids = torch.tensor([[token for chunk in chunks for token in chunk.token_ids]], dtype=torch.long, device=device)
-    positions = torch.cat([torch.arange(len(chunk.kv), len(chunk.kv) + len(chunk.token_ids)) for chunk in chunks]).to(
-        device
-    )[None]
+    positions = torch.cat([chunk.positions() for chunk in chunks]).to(device)[None]
     cache = _PackedCache(chunks)
     placeholder = torch.zeros((1, 1, ids.shape[1], 1), dtype=lm.dtype, device=device)  # never read
     exact = {ROW_EXACT_KWARG: True} if lm.row_exact else {}

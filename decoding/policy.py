@@ -55,7 +55,9 @@ BUDGET_TOKEN_COUNTS = (128, 256, 512)
 # tokens/second measured: past it, a bigger step buys under 10% more throughput and makes
 # every running sequence wait its whole length for the next token.
 BUDGET_THROUGHPUT_FRACTION = 0.9
-SOURCE_KINDS = frozenset({"output", "prompt", "model", "grammar"})  # every other source is a passage
+BRANCH_SOURCE = "branch"  # a draft tree's branches, judged apart from the chain (decoding/tree_sizing.py)
+# Estimates are kept per kind of source; every source not named here is a passage.
+SOURCE_KINDS = frozenset({"output", "prompt", "model", "grammar", "history", BRANCH_SOURCE})
 
 
 class CostModel:
@@ -169,6 +171,8 @@ class PolicyConfig:
     probe_gamma: int = 2  # tokens verified by a probe
     min_output_tokens: int | None = None  # below this max_tokens, never draft (None: from cost model)
     max_active_sequences: int | None = None  # more active sequences than this: never draft
+    tree_nodes: int = 0  # most nodes of a draft tree (chain included); 0: chains only
+    branch_prior: float = 0.3  # a branch's start is a lesser match that the chain's failure must leave open
 
 
 @dataclass
@@ -304,11 +308,12 @@ class RequestPolicy:
         """The request's estimate for ``key`` (``estimate_key``), first copied from the shared one."""
         if key not in self._estimates:
             known = self.shared.get(source_kind(key)) if self.shared is not None else None
-            self._estimates[key] = known.copy() if known is not None else self._fresh_estimate()
+            self._estimates[key] = known.copy() if known is not None else self._fresh_estimate(key)
         return self._estimates[key]
 
-    def _fresh_estimate(self) -> AcceptanceEstimate:
-        return AcceptanceEstimate(self.config.acceptance_prior, self.config.acceptance_decay)
+    def _fresh_estimate(self, key: str = "") -> AcceptanceEstimate:
+        prior = self.config.branch_prior if key.startswith(BRANCH_SOURCE) else self.config.acceptance_prior
+        return AcceptanceEstimate(prior, self.config.acceptance_decay)
 
     def plan(self, remaining_tokens: int, active_sequences: int) -> Decision:
         """Gates that apply whatever the drafter; returns the most tokens worth drafting."""
@@ -357,7 +362,7 @@ class RequestPolicy:
         key = estimate_key(source, match_ngram)
         self.estimate(key).observe(gamma, accepted_len)
         if self.shared is not None:
-            self.shared.setdefault(source_kind(key), self._fresh_estimate()).observe(gamma, accepted_len)
+            self.shared.setdefault(source_kind(key), self._fresh_estimate(key)).observe(gamma, accepted_len)
 
     def short_output_threshold(self, setup_tokens: int, override: int | None = None) -> int:
         """Fewest tokens still to produce for speculation to pay back the drafter's set-up:

@@ -43,6 +43,10 @@ class GenerationRequest:
     logits_processors: Sequence[LogitsProcessor] = ()
     min_tokens_for_speculation: int | None = None  # per-endpoint override of the short-output gate
     grammar: Grammar | None = None  # constrain the output (decoding/grammar_compile.py builds one)
+    tree_nodes: int | None = None  # most nodes of a draft tree; 0: chains; None: the engine's policy
+    # Drafts may copy this tenant's earlier outputs, and this output joins them
+    # (decoding/drafters/history.py); None: neither. Servers pass the API key's tenant.
+    tenant: str | None = None
 
 
 @dataclass
@@ -66,6 +70,8 @@ def validate(request: GenerationRequest, default_drafter: DrafterKind, has_draft
         raise ValueError(f"speculation must be one of {SPECULATION_MODES}, got {request.speculation!r}")
     if request.num_speculative_tokens < 1:
         raise ValueError(f"num_speculative_tokens must be >= 1, got {request.num_speculative_tokens}")
+    if request.tree_nodes is not None and request.tree_nodes < 0:
+        raise ValueError(f"tree_nodes must be >= 0, got {request.tree_nodes}")
     if any(not stop for stop in request.stop_sequences):
         raise ValueError("stop_sequences must not contain an empty sequence")
     kind = request.drafter or default_drafter

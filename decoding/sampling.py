@@ -10,6 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
+# Below this residual mass the target and draft rows agree up to float rounding; the
+# rejection that led here had probability of about this mass, so drawing from p instead
+# of the (numerically meaningless) residual moves at most that much probability.
+RESIDUAL_MASS_EPS = 1e-9
+
 # As vLLM's sampler: a temperature this small is greedy. Dividing logits by a subnormal
 # temperature overflows to inf, and the softmax of inf is nan.
 GREEDY_BELOW = 1e-5

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from specrag.decoding.drafters import Drafter, ModelDrafter, PromptLookupDrafter
+from specrag.decoding.drafters.history import HistoryIndex
+from specrag.decoding.drafters.prompt_lookup import history_drafts
 from specrag.decoding.grammar import GrammarForcedDrafter, GrammarState
 from specrag.decoding.kv import SequenceKV
 from specrag.decoding.model import CausalLM
@@ -100,6 +102,8 @@ def make_drafters(
     grammar: GrammarState | None,
     *,
     ngram: tuple[int, int],
+    branches: int = 0,
+    history: HistoryIndex | None = None,
     draft: CausalLM | None,
     draft_kv: Callable[[], SequenceKV | None],
     draft_prefix_cache: PrefixCache | None,
@@ -117,6 +121,11 @@ def make_drafters(
                 passage_names=request.lookup_source_names,
                 min_ngram=ngram[0],
                 max_ngram=ngram[1],
+                branches=branches,
+                # The tenant's earlier outputs as drafts, none without a tenant.
+                history=functools.partial(history_drafts, history, request.tenant)
+                if history is not None and request.tenant is not None
+                else None,
             )
         )
     if kind in ("model", "both"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -55,6 +55,8 @@ class GenerationStats:
     speculation_off_reasons: Counter[str] = field(default_factory=Counter)
     probe_cycles: int = 0  # speculative cycles run to re-measure acceptance after a back-off
     accepted_by_source: Counter[str] = field(default_factory=Counter)
+    tree_cycles: int = 0  # verify cycles over a draft tree (decoding/tree_sizing.py)
+    branch_accepted_tokens: int = 0  # accepted tokens a tree's branches gave, off its chain
     finish_reason: str | None = None
     last_source: str | None = None  # drafter of the latest verify cycle
     prefill_s: float = 0.0
@@ -74,13 +76,19 @@ class GenerationStats:
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
-    def record_verify(self, gamma: int, accepted_len: int, source: str) -> None:
+    def record_verify(
+        self, gamma: int, accepted_len: int, source: str, accepted_sources: Sequence[str] | None = None
+    ) -> None:
+        """A verify cycle; ``accepted_sources`` (a tree's): each accepted token's source."""
         self.gamma_per_cycle.append(gamma)
         self.drafted_tokens += gamma
         self.accepted_tokens += accepted_len
         self.wasted_verify_tokens += gamma - accepted_len
         self.bonus_count += accepted_len == gamma
-        self.accepted_by_source[source] += accepted_len
+        if accepted_sources is None:
+            self.accepted_by_source[source] += accepted_len
+        else:
+            self.accepted_by_source.update(accepted_sources)
         self.last_source = source
         _grow(self.drafted_by_position, gamma)
         _grow(self.acceptance_by_position, gamma)

@@ -31,6 +31,7 @@ from specrag.decoding.grammar import mask_logits
 from specrag.decoding.kv import SequenceKV
 from specrag.decoding.model import CausalLM
 from specrag.decoding.packed import Chunk, packed_forward
+from specrag.decoding.tree_attention import TreeRows
 
 RowProcessor = Callable[[torch.Tensor], torch.Tensor]  # a sequence's logits processors over its rows
 
@@ -45,6 +46,10 @@ class ForwardNeed:
     target_tokens: int = 0  # a draft forward: what the cycle's verify will forward (the budget counts it)
     prepare: RowProcessor | None = None  # the request's logits processors, run on its rows first
     bitmask: torch.Tensor | None = None  # then the grammar's mask, one int32 row per logits row
+    tree: TreeRows | None = None  # the rows after the first are a draft tree's nodes, not a chain
+
+    def chunk(self) -> Chunk:
+        return Chunk(self.kv, self.token_ids, self.prompt, self.last_only, self.tree)
 
 
 Cycle = Generator[ForwardNeed, torch.Tensor, list[int]]
@@ -61,6 +66,8 @@ def forward_alone(model: CausalLM, need: ForwardNeed) -> torch.Tensor:
     so a prefill chunk gets the same attention alone as beside other sequences."""
     if need.prompt:
         return model.forward_prompt(need.kv, need.token_ids)
+    if need.tree is not None:  # only the packed attention knows trees
+        return packed_forward(model, [need.chunk()])[0]
     return model.forward(need.kv, need.token_ids, last_only=need.last_only)
 
 
@@ -107,7 +114,7 @@ class StepBatch:
         round_needs = [(index, need) for index, need in self._pending.items() if need.draft == draft]
         answers: list[torch.Tensor | Exception] | None = None
         if model.batch_invariant:
-            chunks = [Chunk(need.kv, need.token_ids, need.prompt, need.last_only) for _, need in round_needs]
+            chunks = [need.chunk() for _, need in round_needs]
             try:
                 start = time.perf_counter()
                 answers = list(packed_forward(model, chunks))

@@ -30,6 +30,30 @@ def test_every_workload_file_loads_and_builds_a_prompt(smollm2: CausalLM) -> Non
     long = workloads.load("rag_quote_long").encode(smollm2.tokenizer, smollm2.config.max_position_embeddings)
     assert sum(len(passage) for passage in long.passages) >= 8000 and long.shown_passages < len(long.passages)
     assert "def whats_on_the_telly(penguin=None):" in workloads.load("code_edit").user_text([])
+    versions = workloads.load("rag_branching").passages()  # one document in three versions
+    assert "context manager" in versions[0] and "resource manager" in versions[1] and "scope guard" in versions[2]
+    repeat = workloads.load("agent_repeat").encode(smollm2.tokenizer, smollm2.config.max_position_embeddings)
+    assert len(repeat.earlier) == 5 and repeat.prompt not in repeat.earlier
+
+
+def test_a_workload_that_edits_what_its_passage_lacks_is_refused() -> None:
+    workload = workloads.Workload("broken", "", "?", topics=("with",), versions=((("no such words", "x"),),))
+    with pytest.raises(ValueError, match="no such words"):
+        workload.passages()
+
+
+def test_a_tenants_earlier_requests_are_answered_first_under_its_own_tenant(smollm2: CausalLM) -> None:
+    """(That drafting from them pays is the engine's test: tests/test_tree_sizing.py.)"""
+    from specrag.evals.bench.runs import MethodRunner
+
+    runner = MethodRunner(smollm2, None)
+    encoded = workloads.load("agent_repeat").encode(smollm2.tokenizer, 2048)
+    plain = runner.run("plain", encoded, 8)
+    assert runner.engine.history.tokens_held() == 0  # plain keeps no history
+    for method in ("ours_auto", "ours_tree"):
+        assert runner.run(method, encoded, 8).output == plain.output
+    tenants = runner.engine.history._tenants
+    assert len(tenants) == 2 and all(len(history._outputs) == 6 for history in tenants.values())
 
 
 @pytest.mark.slow

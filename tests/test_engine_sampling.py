@@ -1,6 +1,7 @@
-"""End to end through the engine: speculative sampling with a model drafter samples the
-target model's own distribution (tiny models, so the exact distribution is computable),
-on batched steps: ten requests share every packed target and draft forward."""
+"""End to end through the engine: speculative sampling with a model drafter, and over
+prompt lookup's draft trees, samples the target model's own distribution (tiny models, so
+the exact distribution is computable), on batched steps: ten requests share every packed
+target and draft forward."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import scipy.stats
 import torch
 import xgrammar as xgr
 
-from specrag.decoding import Engine, GenerationRequest, SamplingParams, acceptance, step_driver
+from specrag.decoding import Engine, GenerationRequest, SamplingParams, acceptance, step_driver, tree
 from specrag.decoding.grammar import Grammar, GrammarState
 from specrag.decoding.grammar_compile import GrammarCompiler
 from specrag.decoding.model import CausalLM
+from specrag.decoding.policy import PolicyConfig
 from specrag.decoding.sampling import probs_from_logits
 from tests.conftest import tiny_causal_lm
 
@@ -168,3 +170,57 @@ def test_constrained_check_catches_an_unmasked_draft_q(monkeypatch: pytest.Monke
     """Without the mask on q, cutting the chain at an ungrammatical draft biases the output."""
     monkeypatch.setattr(GrammarState, "draft_processor", lambda self, prompt_len: lambda prefix, logits: logits)
     assert pvalue(sampled_constrained_pairs(), exact_constrained_pairs()) < 1e-4
+
+
+# -- the same check with draft trees from prompt lookup ----------------------------------------
+
+# Passages in which every token is followed by several others: lookup finds forks everywhere.
+FORKS = [[first, (first + step) % VOCAB, (first + 2 * step) % VOCAB] for first in range(VOCAB) for step in (1, 2, 3)]
+
+
+def sampled_with_trees() -> tuple[torch.Tensor, int, int]:
+    """(second, third) token counts over RUNS seeded requests drafting trees, BATCH per step;
+    how many of them verified a tree, and how many took a token off their chain."""
+    engine = Engine(TARGET, min_ngram=1, max_ngram=2, policy=PolicyConfig(tree_nodes=8))
+    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    trees = branch_wins = 0
+    with packing(TARGET):
+        for first in range(0, RUNS, BATCH):
+            outputs: dict[int, list[int]] = {}
+            for seed in range(first, min(first + BATCH, RUNS)):
+                request = GenerationRequest(
+                    PROMPT,
+                    max_tokens=4,
+                    speculation="on",
+                    num_speculative_tokens=2,
+                    stop_token_ids=[],
+                    sampling=SamplingParams(temperature=1.0, top_k=5, seed=seed),
+                    lookup_sources=FORKS,
+                )
+                outputs[engine.add(request)] = []
+            while engine.has_unfinished():
+                for event in engine.step():
+                    outputs[event.seq_id] += event.token_ids
+                    if event.finished:
+                        assert event.stats is not None
+                        trees += event.stats.tree_cycles > 0
+                        branch_wins += event.stats.branch_accepted_tokens > 0
+            for output in outputs.values():
+                counts[output[1], output[2]] += 1
+    return counts, trees, branch_wins
+
+
+@pytest.mark.slow
+def test_engine_sampling_over_draft_trees_matches_the_target() -> None:
+    counts, trees, branch_wins = sampled_with_trees()
+    assert trees > RUNS // 2 and branch_wins > RUNS // 10  # the siblings' rule was exercised
+    assert pvalue(counts, exact_second_and_third_token()) > 0.001
+
+
+@pytest.mark.slow
+def test_engine_tree_check_catches_unrenormalised_siblings(monkeypatch: pytest.MonkeyPatch) -> None:
+    def accept_with_p(p_child: torch.Tensor, tried_mass: torch.Tensor, row_mass: torch.Tensor) -> torch.Tensor:
+        return p_child.clamp(0.0, 1.0)
+
+    monkeypatch.setattr(tree, "_sibling_acceptance", accept_with_p)
+    assert pvalue(sampled_with_trees()[0], exact_second_and_third_token()) < 1e-4

@@ -248,3 +248,16 @@ def test_penalties_reach_the_decoder(client: openai.OpenAI) -> None:
     for options in ({"frequency_penalty": 2.0}, {"extra_body": {"repetition_penalty": 2.0}}):
         penalised = ask(client, question, max_tokens=32, **options).choices[0].message.content
         assert penalised != plain, options
+
+
+def test_a_user_drafts_from_their_own_earlier_answers_only(client: openai.OpenAI, agent: Agent) -> None:
+    question = "Name the planets of the solar system."
+    history = agent.engine.history
+    anonymous = ask(client, question, max_tokens=24).choices[0].message.content
+    assert history.tokens_held() == 0  # no user named: nothing is kept
+    first = ask(client, question, max_tokens=24, user="alice").choices[0].message.content
+    held = history.tokens_held("user:alice")
+    assert held > 0 and history.tokens_held("user:bob") == 0
+    again = ask(client, question, max_tokens=24, user="alice").choices[0].message.content
+    assert first == again == anonymous  # greedy: drafting from history changes no token
+    assert history.tokens_held("user:alice") == 2 * held

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -17,19 +17,47 @@ class Draft:
     """Proposed tokens. ``probs`` [len(tokens), V] holds the distributions they were
     drawn from; None for a deterministic drafter (acceptance treats q as one-hot).
     ``match_ngram``: for prompt lookup, the length of the n-gram the proposal continues
-    (0 for other drafters); the policy keeps its acceptance estimates apart by it."""
+    (0 for other drafters); the policy keeps its acceptance estimates apart by it.
+
+    A draft tree (``decoding/tree.py``) sets ``parents``: the tokens are its nodes in
+    depth-first preorder, ``parents[i]`` is node i's parent (-1: a child of the pending
+    token), the first root-to-leaf path is the chain ``source`` proposed, and
+    ``node_sources`` names each node's source. Trees are deterministic (``probs`` None).
+    ``alternatives``: other chains a free drafter found, from which the policy may grow a
+    tree (``decoding/tree_sizing.py``)."""
 
     tokens: list[int]
     probs: torch.Tensor | None
     source: str
     match_ngram: int = 0
+    parents: list[int] | None = None
+    node_sources: list[str] | None = None
+    branch_keys: list[str] | None = None  # a tree's branch starts: the estimate each is judged by
+    alternatives: list[Draft] = field(default_factory=list)
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
 
     def truncated(self, gamma: int) -> Draft:
-        """The first ``gamma`` tokens (and their distributions)."""
+        """The first ``gamma`` tokens (and their distributions); a tree's first path."""
+        if self.parents is not None:
+            return self.first_path().truncated(gamma)
         if gamma >= len(self.tokens):
             return self
         probs = self.probs[:gamma] if self.probs is not None else None
         return Draft(self.tokens[:gamma], probs, self.source, self.match_ngram)
+
+    def first_path(self) -> Draft:
+        """The chain the tree was grown from: its first path up to the first branch node
+        (a chain is its own)."""
+        if self.parents is None:
+            return self
+        keys = self.branch_keys or [""] * len(self.tokens)
+        length = 0  # in preorder the first path is the leading run of nodes each under the last
+        while length < len(self.parents) and self.parents[length] == length - 1 and not keys[length]:
+            length += 1
+        return Draft(self.tokens[:length], None, self.source, self.match_ngram)
 
 
 class Drafter(Protocol):

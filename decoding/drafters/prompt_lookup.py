@@ -13,18 +13,42 @@ Within the stream the most recent occurrence wins; across passages the first one
 
 Drafts copy with the edits the model has been seen to make to the text it copies
 (``decoding/drafters/edits.py``: a renamed identifier is drafted renamed).
+
+With ``branches`` > 0 the draft also carries alternatives for a draft tree
+(``decoding/tree_sizing.py``): the continuations of the other occurrences of the matched
+n-grams, longest n first, in the same order of preference, each as its own chain with its
+source. Every key remembers up to ``OCCURRENCES_PER_KEY`` occurrences for them.
+
+``history`` adds the continuations a tenant's earlier outputs suggest
+(``decoding/drafters/history.py``, source ``history``): the draft when lookup finds
+nothing, an alternative when it does, ahead of lookup's own where its match is longer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from specrag.decoding.drafters.base import Draft, FreeDrafter
 from specrag.decoding.drafters.edits import EditTracker
+from specrag.decoding.drafters.history import HistoryIndex
 
 OUTPUT = "output"
 PROMPT = "prompt"
 NO_MATCH = "none"
+HISTORY = "history"
+OCCURRENCES_PER_KEY = 4  # most recent in the stream, first in the passages
+BRANCH_TOKENS = 8  # an alternative is a branch of the tree: it needs no long tail
+
+# (context, most tokens, most chains) -> drafts from earlier outputs, preferred first
+HistoryLookup = Callable[[Sequence[int], int, int], list[Draft]]
+
+
+def history_drafts(
+    index: HistoryIndex, tenant: str, context: Sequence[int], max_tokens: int, count: int
+) -> list[Draft]:
+    """``tenant``'s earlier outputs' continuations of ``context`` as drafts."""
+    found = index.continuations(tenant, context, max_tokens, max_branches=count)
+    return [Draft(found_one.tokens, None, HISTORY, found_one.match_ngram) for found_one in found]
 
 
 class PromptLookupDrafter(FreeDrafter):
@@ -36,6 +60,8 @@ class PromptLookupDrafter(FreeDrafter):
         passage_names: Sequence[str] | None = None,
         min_ngram: int = 2,
         max_ngram: int = 4,
+        branches: int = 0,
+        history: HistoryLookup | None = None,
     ) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
@@ -43,19 +69,23 @@ class PromptLookupDrafter(FreeDrafter):
             raise ValueError("passage_names must name every passage")
         self.min_ngram = min_ngram
         self.max_ngram = max_ngram
+        self.branches = branches
+        self._history = history
         self._prompt_len = len(prompt)
         self._passages = [list(passage) for passage in passages]
         self._passage_names = list(passage_names or (f"passage:{index}" for index in range(len(passages))))
-        # n-gram -> start of its continuation in the stream (most recent occurrence)
+        # n-gram -> starts of its continuations in the stream (most recent first)
         self._stream: list[int] = []
-        self._stream_index: dict[tuple[int, ...], int] = {}
-        # n-gram -> (passage index, start of its continuation) (first occurrence)
-        self._passage_index: dict[tuple[int, ...], tuple[int, int]] = {}
+        self._stream_index: dict[tuple[int, ...], list[int]] = {}
+        # n-gram -> (passage index, start of its continuation) (first occurrences first)
+        self._passage_index: dict[tuple[int, ...], list[tuple[int, int]]] = {}
         self._edits = EditTracker()
         for passage_id, passage in enumerate(self._passages):
             for position in range(1, len(passage)):
                 for key in self._ngrams_ending_before(passage, position):
-                    self._passage_index.setdefault(key, (passage_id, position))
+                    hits = self._passage_index.setdefault(key, [])
+                    if len(hits) < OCCURRENCES_PER_KEY:
+                        hits.append((passage_id, position))
         self._extend(prompt)
 
     def propose(self, context: Sequence[int], max_tokens: int) -> Draft:
@@ -63,34 +93,44 @@ class PromptLookupDrafter(FreeDrafter):
         self._edits.discard_proposal()
         if max_tokens <= 0:
             return Draft([], None, NO_MATCH)
+        chains = self._lookup_chains(context, max_tokens)
+        if self._history is not None:
+            chains = _merged(chains, self._history(context, max_tokens, self.branches + 1))
+        if not chains:
+            return Draft([], None, NO_MATCH)
+        first = chains[0]
+        return Draft(first.tokens, None, first.source, first.match_ngram, alternatives=chains[1 : self.branches + 1])
+
+    def _lookup_chains(self, context: Sequence[int], max_tokens: int) -> list[Draft]:
+        """The preferred chain and up to ``branches`` others (module docstring), each unique."""
         contexts = [context, *self._edits.alternate_contexts(context)]
+        chains: list[Draft] = []
         for ngram in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
             for looked_up in contexts:
-                hit = self._lookup(tuple(looked_up[-ngram:]))
-                if hit is not None:
-                    sequence, start, source = hit
-                    tokens = self._edits.copy(sequence, start, max_tokens)
-                    if tokens:
-                        return Draft(tokens, None, source, ngram)
-        return Draft([], None, NO_MATCH)
+                for sequence, start, source in self._lookup(tuple(looked_up[-ngram:])):
+                    limit = max_tokens if not chains else min(max_tokens, BRANCH_TOKENS)
+                    tokens = self._edits.copy(sequence, start, limit)
+                    if tokens and not _repeats(tokens, chains):
+                        chains.append(Draft(tokens, None, source, ngram))
+                    if len(chains) > self.branches:
+                        return chains
+        return chains
 
     def on_commit(self, committed: Sequence[int], accepted_len: int) -> None:
         """The stream is indexed from the context at the next proposal, and the engine
         attributes accepted tokens to ``Draft.source``; the edit tracker compares."""
         self._edits.observe(committed)
 
-    def _lookup(self, key: tuple[int, ...]) -> tuple[list[int], int, str] | None:
-        """The sequence whose continuation of ``key`` is preferred, where it starts, its name."""
-        stream_start = self._stream_index.get(key)
-        if stream_start is not None and stream_start >= self._prompt_len:
-            return self._stream, stream_start, OUTPUT
-        passage_hit = self._passage_index.get(key)
-        if passage_hit is not None:
-            passage_id, start = passage_hit
-            return self._passages[passage_id], start, self._passage_names[passage_id]
-        if stream_start is not None:
-            return self._stream, stream_start, PROMPT
-        return None
+    def _lookup(self, key: tuple[int, ...]) -> list[tuple[list[int], int, str]]:
+        """The continuations of ``key``, preferred first: (sequence, where it starts, source)."""
+        stream_starts = self._stream_index.get(key, [])
+        in_output = [(self._stream, start, OUTPUT) for start in stream_starts if start >= self._prompt_len]
+        in_passages = [
+            (self._passages[passage_id], start, self._passage_names[passage_id])
+            for passage_id, start in self._passage_index.get(key, [])
+        ]
+        in_prompt = [(self._stream, start, PROMPT) for start in stream_starts if start < self._prompt_len]
+        return [*in_output, *in_passages, *in_prompt]
 
     def _extend(self, new_tokens: Sequence[int]) -> None:
         """Index the n-grams that the appended tokens give a continuation to."""
@@ -98,9 +138,25 @@ class PromptLookupDrafter(FreeDrafter):
             self._stream.append(token)
             position = len(self._stream) - 1
             for key in self._ngrams_ending_before(self._stream, position):
-                self._stream_index[key] = position
+                starts = self._stream_index.setdefault(key, [])
+                starts.insert(0, position)
+                del starts[OCCURRENCES_PER_KEY:]
 
     def _ngrams_ending_before(self, tokens: Sequence[int], position: int) -> list[tuple[int, ...]]:
         """The n-grams (min..max n) that end just before ``position``."""
         longest = min(self.max_ngram, position)
         return [tuple(tokens[position - n : position]) for n in range(self.min_ngram, longest + 1)]
+
+
+def _repeats(tokens: list[int], chains: list[Draft]) -> bool:
+    """Whether an earlier chain already proposes ``tokens`` (or more after them)."""
+    return any(tokens == chain.tokens[: len(tokens)] for chain in chains)
+
+
+def _merged(lookup: list[Draft], history: list[Draft]) -> list[Draft]:
+    """Both sources' chains, a longer match first (lookup first among equals), each unique."""
+    merged: list[Draft] = []
+    for chain in sorted([*lookup, *history], key=lambda chain: -chain.match_ngram):
+        if not _repeats(chain.tokens, merged):
+            merged.append(chain)
+    return merged

@@ -7,8 +7,10 @@
 Methods: ``plain`` (our engine, speculation off: the baseline of every ratio), ``hf``
 (transformers ``generate``), ``hf_prompt_lookup`` (``prompt_lookup_num_tokens=10``),
 ``hf_assisted`` (``assistant_model``, with ``--draft``), ``ours_lookup`` (speculation on,
-prompt lookup), ``ours_draft`` (on, the draft model, with ``--draft``) and ``ours_auto``
-(the policy: prompt lookup first, the draft model as fallback when one is given).
+prompt lookup), ``ours_draft`` (on, the draft model, with ``--draft``), ``ours_auto``
+(the policy: prompt lookup first, the draft model as fallback when one is given) and
+``ours_tree`` (``ours_auto`` growing draft trees from every lookup match,
+``decoding/tree_sizing.py``).
 Within each repeat every method runs once per workload, in the same order, so drift of
 the machine hits all alike. By default every method decodes greedily, so every output should
 equal plain's; where one does not, ``first_divergence`` gives the position and plain's top-2
@@ -105,7 +107,7 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
     bars.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names, rotation=20)
     bars.set_ylabel("decode tokens/s vs plain")
     bars.legend(fontsize=8)
-    for method in ("ours_lookup", "ours_draft", "ours_auto"):
+    for method in ("ours_lookup", "ours_draft", "ours_auto", "ours_tree"):
         histograms = [result["accepted_len_hist"] or [] for result in results if result["method"] == method]
         total = position_sums(histograms)
         if total:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import platform
@@ -23,7 +24,8 @@ from specrag.decoding.policy import PolicyConfig
 from specrag.decoding.sampling import SamplingParams
 from specrag.evals.workloads import Encoded
 
-METHODS = ("plain", "hf", "hf_prompt_lookup", "hf_assisted", "ours_lookup", "ours_draft", "ours_auto")
+METHODS = ("plain", "hf", "hf_prompt_lookup", "hf_assisted", "ours_lookup", "ours_draft", "ours_auto", "ours_tree")
+TREE_NODES = 16  # ours_tree: ours_auto growing draft trees of up to this many nodes
 
 
 @dataclass
@@ -74,16 +76,30 @@ class MethodRunner:
         self.draft_gamma = draft_gamma
         self.engine = Engine(target, draft, policy=policy)
         self.engine.calibrate()  # before any timing: ours_auto's cost model
+        self._tenants = itertools.count()
 
     def run(self, method: str, encoded: Encoded, max_tokens: int, seed: int = 0) -> Run:
-        """One timed run; when sampling, every method of a repeat gets the same ``seed``."""
+        """One timed run; when sampling, every method of a repeat gets the same ``seed``.
+
+        A workload with earlier prompts is a tenant's sequence of requests: ours answer them
+        first, untimed, under a tenant of this run's own, so the timed request may draft
+        from their outputs (``decoding/drafters/history.py``); the others have no history."""
         if method.startswith("hf"):
             return self._run_hf(method, encoded.prompt, max_tokens, seed)
+        tenant = None
+        if encoded.earlier and method != "plain":
+            tenant = f"bench:{next(self._tenants)}"
+            for prompt in encoded.earlier:
+                self._run_ours(method, dataclasses.replace(encoded, prompt=prompt), max_tokens, seed, tenant)
+        return self._run_ours(method, encoded, max_tokens, seed, tenant)
+
+    def _run_ours(self, method: str, encoded: Encoded, max_tokens: int, seed: int, tenant: str | None) -> Run:
         speculation, drafter, gamma = {
             "plain": ("off", None, self.gamma),
             "ours_lookup": ("on", "lookup", self.gamma),
             "ours_draft": ("on", "model", self.draft_gamma),
             "ours_auto": ("auto", None, self.gamma),
+            "ours_tree": ("auto", None, self.gamma),
         }[method]
         request = GenerationRequest(
             encoded.prompt,
@@ -95,6 +111,8 @@ class MethodRunner:
             lookup_sources=encoded.passages,
             lookup_source_names=encoded.passage_names,
             sampling=dataclasses.replace(self.sampling, seed=seed),
+            tree_nodes=TREE_NODES if method == "ours_tree" else None,
+            tenant=tenant,
         )
         output: list[int] = []
         first_token_at = None
@@ -166,7 +184,7 @@ def position_sums(lists: list[list[int]]) -> list[int]:
 def _speculation_summary(stats: list[GenerationStats]) -> dict[str, Any]:
     if not stats:
         keys = ("target_calls", "committed_per_call", "acceptance_by_position", "accepted_len_hist", "stage_seconds")
-        keys += ("target_calls_per_token", "grammar_share", "forced_tokens_accepted")
+        keys += ("target_calls_per_token", "grammar_share", "forced_tokens_accepted", "tree_cycles", "branch_tokens")
         return dict.fromkeys(keys)
     drafted = position_sums([stat.drafted_by_position for stat in stats])
     accepted = position_sums([stat.acceptance_by_position for stat in stats])
@@ -189,6 +207,8 @@ def _speculation_summary(stats: list[GenerationStats]) -> dict[str, Any]:
         # Mask work (fill, apply, advance, roll back) as a share of the time after prefill.
         "grammar_share": statistics.median(stat.grammar_s / _decode_seconds(stat) for stat in stats),
         "forced_tokens_accepted": statistics.median(stat.accepted_by_source.get("grammar", 0) for stat in stats),
+        "tree_cycles": statistics.median(stat.tree_cycles for stat in stats),
+        "branch_tokens": statistics.median(stat.branch_accepted_tokens for stat in stats),
     }
 
 

@@ -42,8 +42,8 @@ MUTATIONS = (
     Mutation(
         "target_kv_keeps_a_rejected_token",
         "decoding/cycles.py",
-        "seq.kv.crop(kept_before + 1 + accepted_len)",
-        "seq.kv.crop(min(kept_before + 2 + accepted_len, len(seq.kv)))",
+        "seq.kv.compact(kept_before, compaction_rows(accepted_nodes))",
+        "seq.kv.compact(kept_before, list(range(min(accepted_len + 2, len(seq.kv) - kept_before))))",
         ("tests/test_kv_rollback.py", "tests/test_engine.py::test_greedy_speculation_equals_plain_greedy"),
     ),
     Mutation(
@@ -133,8 +133,8 @@ MUTATIONS = (
     Mutation(
         "verify_rows_not_masked",
         "decoding/cycles.py",
-        "prepare=row_processor(seq, draft.tokens), bitmask=bitmask",
-        "prepare=row_processor(seq, draft.tokens), bitmask=None",
+        "prepare=row_processor(seq, draft), bitmask=bitmask,",
+        "prepare=row_processor(seq, draft), bitmask=None,",
         ("tests/test_grammar.py",),
     ),
     Mutation(

@@ -7,12 +7,16 @@ Fields: ``name``, ``description``, ``question`` (may hold ``{code}``), ``system`
 ``min_passage_tokens`` (a check that the passages are really that long), ``code``
 (``{"topic", "starts_with"}``: an indented code block taken from the corpus), ``tools``
 (JSON schemas listed in the system prompt), ``constraint`` (``{"tool_choice": "required"}``: the
-tool-call grammar over ``tools``; ``{"json_schema": {...}}``: response_format json_schema)
-and ``max_tokens``.
+tool-call grammar over ``tools``; ``{"json_schema": {...}}``: response_format json_schema),
+``versions`` (one list per topic of ``[old, new]`` replacements: the same document in
+several versions, e.g. a renamed API), ``earlier_questions`` (asked first, in order, by the
+same tenant, untimed: their outputs are the history the timed question may draft from) and
+``max_tokens``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pydoc_data.topics
 from dataclasses import dataclass, field
@@ -32,6 +36,7 @@ class Encoded:
     passage_names: list[str]
     shown_passages: int
     constraint: dict[str, Any] | None = None
+    earlier: list[list[int]] = field(default_factory=list)  # prompts a tenant sent before this one
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,8 @@ class Workload:
     code: dict[str, str] | None = None
     tools: tuple[dict[str, Any], ...] = field(default_factory=tuple)
     constraint: dict[str, Any] | None = None
+    versions: tuple[tuple[tuple[str, str], ...], ...] = ()
+    earlier_questions: tuple[str, ...] = ()
 
     def grammar_spec(self) -> dict[str, Any] | None:
         """What the decoder is constrained to: tool calls (name, parameters) or a JSON schema."""
@@ -60,10 +67,16 @@ class Workload:
         raise ValueError(f"workload {self.name}: unsupported constraint {self.constraint!r}")
 
     def passages(self) -> list[str]:
-        return [
+        texts = [
             corpus_passage(topic, self.passage_chars) if self.passage_chars else pydoc_data.topics.topics[topic].strip()
             for topic in self.topics
         ]
+        for index, replacements in enumerate(self.versions):
+            for old, new in replacements:
+                if old not in texts[index]:
+                    raise ValueError(f"workload {self.name}: {old!r} is not in passage {index + 1}")
+                texts[index] = texts[index].replace(old, new)
+        return texts
 
     def user_text(self, shown: list[str]) -> str:
         question = self.question.replace("{code}", corpus_code(**self.code)) if self.code else self.question
@@ -96,7 +109,11 @@ class Workload:
         variants = [(f"P{index}", variant) for index, text in enumerate(texts, 1) for variant in lookup_texts(text)]
         passage_ids = [tokenizer(variant, add_special_tokens=False)["input_ids"] for _, variant in variants]
         names = [name for name, _ in variants]
-        return Encoded(prompt, passage_ids, names, shown, self.grammar_spec())
+        earlier = [
+            dataclasses.replace(self, question=question, earlier_questions=()).encode(tokenizer, context_limit).prompt
+            for question in self.earlier_questions
+        ]
+        return Encoded(prompt, passage_ids, names, shown, self.grammar_spec(), earlier)
 
 
 def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -121,6 +138,8 @@ def load(name: str) -> Workload:
     data = json.loads((FOLDER / f"{name}.json").read_text())
     data["topics"] = tuple(data.get("topics", ()))
     data["tools"] = tuple(data.get("tools", ()))
+    data["earlier_questions"] = tuple(data.get("earlier_questions", ()))
+    data["versions"] = tuple(tuple(tuple(pair) for pair in edits) for edits in data.get("versions", ()))
     return Workload(**data)
 
 

@@ -1,0 +1,183 @@
+"""How big a draft tree to verify: the chain the policy chose, plus the alternatives that pay.
+
+A free drafter (prompt lookup) proposes its preferred chain and the other chains it found
+(``Draft.alternatives``: other occurrences of the matched n-grams, shorter matches, earlier
+outputs). The policy sizes the chain as always (``best_gamma``, its probes and gates); here
+the alternatives are merged into it as branches, and a branch node is kept only while it
+raises the expected committed tokens per second of the forward:
+
+    rate(tree) = (load.committed + 1 + sum of node scores) / C(load.tokens + 1 + nodes)
+
+A node's score is the probability that its path is accepted (greedy: that the target's
+argmax follows it), so the expected accepted drafts of a tree are the sum of its scores.
+Along the chain the scores are the chain's estimate, as for a chain, times its share of the
+vote where peers (alternatives with as long a match: the same sentence in three versions of
+a document) part from it: at a three-way fork the chain gets a third. An alternative joins
+the tree where it leaves it: its first new node, a child of a node reached with probability
+P whose other children claim s of what follows it, scores P * min(1 - s, b(0)), and the
+branch goes on with P * ... * b(k) at its k-th node. b is the ``branch`` acceptance
+estimate of the alternative's n-gram bucket (``branch@n4+`` for a fork between versions of
+one passage, ``branch@n1`` for a stray one-token match): how often a branch node was
+accepted when its parent was. Nodes are added best score first, which keeps every kept
+node's parent, and the best prefix of that order wins; none pays: the chain alone. With
+speculation "on" (no cost model asked) every branch is kept, up to the node limit.
+
+Observation (``observe_tree``) keeps them apart: the chain is judged as if proposed alone,
+each branch wherever its parent was accepted (a taken sibling counts as its rejection:
+greedy accepts one child per node, so the branch's token was not the target's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from specrag.decoding.drafters.base import Draft
+from specrag.decoding.policy import BRANCH_SOURCE, RequestPolicy, StepLoad, estimate_key
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int  # index among the nodes, -1 for a child of the pending token
+    source: str
+    score: float  # P(the path to this node is accepted)
+    branch_key: str = ""  # a branch's first node: the estimate it is judged by
+    children: list[int] = field(default_factory=list)
+
+
+def grow_tree(
+    policy: RequestPolicy, chain: Draft, alternatives: Sequence[Draft], max_nodes: int, load: StepLoad | None = None
+) -> Draft:
+    """``chain`` (already sized by the policy) with the branches from ``alternatives`` that
+    raise the forward's expected rate; ``chain`` itself when none does."""
+    if not chain.tokens or not alternatives or max_nodes <= len(chain.tokens):
+        return chain
+    nodes = _chain_nodes(policy, chain, alternatives)
+    for alternative in alternatives:
+        _insert(policy, nodes, alternative)
+    extra = sorted(range(len(chain.tokens), len(nodes)), key=lambda index: (-nodes[index].score, index))
+    room = max_nodes - len(chain.tokens)
+    if policy.mode == "auto" and policy.cost is not None:
+        kept = _best_prefix(policy, nodes, len(chain.tokens), extra[:room], load or StepLoad())
+    else:  # "on" verifies what it is offered, as it does a chain's γ
+        kept = extra[:room]
+    if not kept:
+        return chain
+    return _preorder(chain, nodes, set(range(len(chain.tokens))) | set(kept))
+
+
+def _chain_nodes(policy: RequestPolicy, chain: Draft, alternatives: Sequence[Draft]) -> list[_Node]:
+    """The chain's nodes, each scored by its estimate and its share of the peers' vote."""
+    estimate = policy.estimate(estimate_key(chain.source, chain.match_ngram))
+    peers = [alternative.tokens for alternative in alternatives if alternative.match_ngram >= chain.match_ngram]
+    nodes, score = [], 1.0
+    for position, token in enumerate(chain.tokens):
+        # Peers that agreed with the chain so far and go on: where they part, it is a fork.
+        voters = [peer for peer in peers if len(peer) > position and peer[:position] == chain.tokens[:position]]
+        agreeing = sum(peer[position] == token for peer in voters)
+        score *= estimate.rate(position) * (1 + agreeing) / (1 + len(voters))
+        nodes.append(_Node(token, position - 1, chain.source, score))
+        if position:
+            nodes[position - 1].children.append(position)
+    return nodes
+
+
+def _children(nodes: list[_Node], parent: int) -> list[int]:
+    if parent >= 0:
+        return nodes[parent].children
+    return [index for index, node in enumerate(nodes) if node.parent == -1]
+
+
+def _insert(policy: RequestPolicy, nodes: list[_Node], alternative: Draft) -> None:
+    """Walk ``alternative`` down the tree; where it leaves it, add its rest as a branch."""
+    key = estimate_key(BRANCH_SOURCE, max(alternative.match_ngram, 1))
+    branch = policy.estimate(key)
+    parent, parent_score, depth = -1, 1.0, -1  # depth: in the branch, once it has left the tree
+    for token in alternative.tokens:
+        siblings = _children(nodes, parent)
+        same = next((index for index in siblings if nodes[index].token == token), None)
+        if same is not None and depth < 0:
+            parent, parent_score = same, nodes[same].score
+            continue
+        depth += 1
+        if depth == 0:  # leaving the tree: at most what the other children leave over
+            claimed = sum(nodes[index].score for index in siblings) / parent_score if parent_score else 1.0
+            score = parent_score * min(max(0.0, 1.0 - claimed), branch.rate(0))
+        else:
+            score = parent_score * branch.rate(depth)
+        nodes.append(_Node(token, parent, alternative.source, score, key if depth == 0 else ""))
+        if parent >= 0:
+            nodes[parent].children.append(len(nodes) - 1)
+        parent, parent_score = len(nodes) - 1, score
+
+
+def _best_prefix(
+    policy: RequestPolicy, nodes: list[_Node], chain_len: int, extra: list[int], load: StepLoad
+) -> list[int]:
+    """The best-scoring branch nodes worth their rows: the prefix of ``extra`` (best first)
+    with the highest expected rate, none if the chain alone is best."""
+    assert policy.cost is not None
+    expected = load.committed + 1.0 + sum(node.score for node in nodes[:chain_len])
+    best_rate = expected / policy.cost.forward_seconds(load.tokens + 1 + chain_len)
+    best = 0
+    for count, index in enumerate(extra, start=1):
+        expected += nodes[index].score
+        rate = expected / policy.cost.forward_seconds(load.tokens + 1 + chain_len + count)
+        if rate > best_rate:
+            best, best_rate = count, rate
+    return extra[:best]
+
+
+def _preorder(chain: Draft, nodes: list[_Node], kept: set[int]) -> Draft:
+    """The kept nodes in depth-first preorder, at every node the chain's child first, then
+    the others best first: the first path is the chain."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    sources: list[str] = []
+    keys: list[str] = []
+    chain_len = len(chain.tokens)
+
+    def ordered(indices: list[int]) -> list[int]:
+        return sorted((i for i in indices if i in kept), key=lambda i: (i >= chain_len, -nodes[i].score, i))
+
+    stack = [(index, -1) for index in reversed(ordered(_children(nodes, -1)))]
+    while stack:
+        index, parent = stack.pop()
+        tokens.append(nodes[index].token)
+        parents.append(parent)
+        sources.append(nodes[index].source)
+        keys.append(nodes[index].branch_key)
+        here = len(tokens) - 1
+        stack.extend((child, here) for child in reversed(ordered(nodes[index].children)))
+    return Draft(tokens, None, chain.source, chain.match_ngram, parents=parents, node_sources=sources, branch_keys=keys)
+
+
+def observe_tree(policy: RequestPolicy, draft: Draft, accepted_nodes: Sequence[int]) -> None:
+    """Teach the policy what a tree verify showed: the chain (the first path) as if it had
+    been proposed alone, and every branch whose parent was accepted (or is the root) under
+    its branch estimate, as a chain of its own from its first node."""
+    assert draft.parents is not None
+    parents, accepted = draft.parents, set(accepted_nodes)
+    chain = draft.first_path()
+    taken = _leading(range(len(chain.tokens)), accepted)
+    policy.observe(draft.source, len(chain.tokens), taken, draft.match_ngram)
+    first_child: dict[int, int] = {}
+    for node, parent in enumerate(parents):
+        first_child.setdefault(parent, node)
+    for node, key in enumerate(draft.branch_keys or ()):
+        if key and (parents[node] == -1 or parents[node] in accepted):
+            run = [node]
+            while run[-1] in first_child:  # a branch goes on through its first children
+                run.append(first_child[run[-1]])
+            policy.observe(key, len(run), _leading(run, accepted))
+
+
+def _leading(run: Sequence[int], accepted: set[int]) -> int:
+    """How many nodes of ``run`` were accepted before the first that was not."""
+    count = 0
+    for node in run:
+        if node not in accepted:
+            break
+        count += 1
+    return count
