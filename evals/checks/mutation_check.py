@@ -354,6 +354,27 @@ MUTATIONS = (
         "    return None\n",
         ("tests/test_eval_run.py::test_the_report_records_the_threshold_used_even_when_it_was_the_default",),
     ),
+    Mutation(
+        "tree_kv_cropped_instead_of_compacted",
+        "decoding/kv.py",
+        "if list(rows) == list(range(len(rows))):",
+        "if True:",
+        ("tests/test_tree_verify.py",),
+    ),
+    Mutation(
+        "tree_node_attends_to_its_preorder_neighbours",
+        "decoding/tree_attention.py",
+        "if order != list(range(width)):",
+        "if False:",
+        ("tests/test_tree_verify.py",),
+    ),
+    Mutation(
+        "tree_branch_never_rejected_by_a_taken_sibling",
+        "decoding/tree_sizing.py",
+        "if key and (parents[node] == -1 or parents[node] in accepted):",
+        "if key and (parents[node] == -1 or parents[node] in accepted) and node in accepted:",
+        ("tests/test_tree_sizing.py",),
+    ),
 )
 
 
