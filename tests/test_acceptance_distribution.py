@@ -130,7 +130,13 @@ class ToySimulator:
 
 def g_test_pvalue(samples: torch.Tensor, exact: torch.Tensor, vocab: int) -> float:
     """G-test of observed (x1, x2) pairs against the exact joint; 0.0 for an impossible pair."""
-    observed = torch.bincount(samples[:, 0] * vocab + samples[:, 1], minlength=vocab * vocab).double()
+    return g_test_cells(samples[:, 0] * vocab + samples[:, 1], exact)
+
+
+def g_test_cells(cells: torch.Tensor, exact: torch.Tensor) -> float:
+    """G-test of observed cell indices against exact cell probabilities (flat); 0.0 for an
+    impossible cell."""
+    observed = torch.bincount(cells, minlength=exact.numel()).double()
     if observed[exact == 0].sum() > 0:
         return 0.0
     expected = exact / exact.sum() * observed.sum()

@@ -209,7 +209,7 @@ def test_concurrent_adds_and_lookups_keep_the_invariants() -> None:
         assert len(continuations) <= 3
         assert len({c.tokens[0] for c in continuations}) == len(continuations)
         for c in continuations:
-            assert 1 <= len(c.tokens) <= 5 and set(c.tokens) <= set(token_range(tenant))
+            assert set(c.tokens) <= set(token_range(tenant))  # never another tenant's token
             assert c.count >= 1 and 0 < c.share <= 1
 
     def worker(seed: int) -> None:
@@ -234,6 +234,6 @@ def test_concurrent_adds_and_lookups_keep_the_invariants() -> None:
     assert errors == []
     assert index.tokens_held() <= 4 * cap
     held = [tenant for tenant in tenants if index.tokens_held(tenant) > 0]
-    assert 1 <= len(held) <= 4
+    assert len(held) == 4  # six tenants wrote; the four most recently used are kept
     for tenant in held:  # still answering, and only with its own tokens
         check(tenant, index.continuations(tenant, list(token_range(tenant)), max_tokens=5, max_branches=3))

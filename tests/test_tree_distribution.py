@@ -17,12 +17,12 @@ import functools
 from dataclasses import dataclass, field
 
 import pytest
-import scipy.stats
 import torch
 
 from specrag.decoding import tree as tree_module
 from specrag.decoding.sampling import SamplingParams, probs_from_logits
 from specrag.decoding.tree import node_depths, path_to, sample_accept_tree, sample_accept_tree_batch
+from tests.test_acceptance_distribution import g_test_cells
 
 pytestmark = pytest.mark.slow  # statistical: a few seconds in all
 
@@ -111,30 +111,12 @@ class ToyTarget:
         return sum(reach)
 
 
-def g_test_pvalue(cells: torch.Tensor, exact: torch.Tensor) -> float:
-    """G-test of observed cell indices against exact cell probabilities; 0.0 for an impossible
-    cell (the same test as tests/test_acceptance_distribution.py, over flat cells)."""
-    observed = torch.bincount(cells, minlength=exact.numel()).double()
-    if observed[exact == 0].sum() > 0:
-        return 0.0
-    expected = exact / exact.sum() * observed.sum()
-    # Pool cells whose expected count is below 5, where the asymptotic law is unreliable.
-    small = expected < 5
-    observed_cells = torch.cat([observed[~small], observed[small].sum()[None]])
-    expected_cells = torch.cat([expected[~small], expected[small].sum()[None]])
-    keep = expected_cells > 0
-    result = scipy.stats.power_divergence(
-        observed_cells[keep].numpy(), expected_cells[keep].numpy(), lambda_="log-likelihood"
-    )
-    return float(result.pvalue)
-
-
 def pvalues(case: ToyTree) -> tuple[float, float]:
     """(first token, first two tokens) G-test p-values of CYCLES generations."""
     target = ToyTarget(case)
     samples = target.first_two_tokens(CYCLES)
-    first = g_test_pvalue(samples[:, 0], target.exact_first())
-    joint = g_test_pvalue(samples[:, 0] * case.vocab + samples[:, 1], target.exact_joint())
+    first = g_test_cells(samples[:, 0], target.exact_first())
+    joint = g_test_cells(samples[:, 0] * case.vocab + samples[:, 1], target.exact_joint())
     return first, joint
 
 
@@ -244,5 +226,5 @@ def test_the_per_sequence_rule_follows_the_target() -> None:
     tokens, rows = target.tree_at(0)
     parents = list(CASES[1].parents)
     first = [sample_accept_tree(tokens, parents, rows, target.generator)[1][0] for _ in range(3000)]
-    pvalue = g_test_pvalue(torch.tensor(first), target.exact_first())
+    pvalue = g_test_cells(torch.tensor(first), target.exact_first())
     assert pvalue > 1e-3, f"G-test p = {pvalue:.2e}"
