@@ -50,7 +50,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specrag.decoding.fast_paths import SkinnyLinear, even_chunks, onednn_available, uses_specrag_attention
+from specrag.decoding.fast_paths import uses_specrag_attention
+from specrag.decoding.linears import SkinnyLinear, even_chunks, onednn_available
 
 if TYPE_CHECKING:
     from specrag.decoding.model import CausalLM
@@ -101,7 +102,7 @@ def linear_rows_are_exact(layer: SkinnyLinear, generator: torch.Generator) -> bo
 
 def find_row_exact_setting(layer: SkinnyLinear) -> LinearSetting | None:
     """The first setting that makes ``layer`` row-exact, cheapest first: a float32 layer
-    through oneDNN (``fast_paths.onednn_available``: MKL's float32 GEMM is row-exact at no
+    through oneDNN (``linears.onednn_available``: MKL's float32 GEMM is row-exact at no
     K-chunking), then unchunked with single rows padded to two (measured on the AMX Xeon:
     products of 2..24 rows agree for every Qwen shape, K = 8960 included, while one row
     alone differs from them for K > 4096), unchunked one-row, then ever smaller K-chunks.

@@ -30,7 +30,7 @@ import torch
 
 from specrag.decoding import packs
 from specrag.decoding.batch_invariance import find_row_exact_setting
-from specrag.decoding.fast_paths import SkinnyLinear
+from specrag.decoding.linears import SkinnyLinear
 
 VERIFY_ROWS = 9
 # Bumped whenever SkinnyLinear's product forms change, so a cached timing of the old forms

@@ -39,20 +39,19 @@ import itertools
 import os
 import secrets
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Iterator
 
 import torch
 
 from specrag.decoding import policy as policies
-from specrag.decoding.cycles import decode_cycle, grammar_accept, next_mask, no_draft, row_processor
-from specrag.decoding.drafters import Draft, Drafter, ModelDrafter
+from specrag.decoding.cycle_plan import CyclePlanner
+from specrag.decoding.cycles import grammar_accept, next_mask, row_processor
 from specrag.decoding.drafters.history import HistoryIndex
-from specrag.decoding.drafters.model_drafter import SOURCE as MODEL_SOURCE
 from specrag.decoding.forward_timer import ForwardTimer, prompt_costs
 from specrag.decoding.grammar import GrammarState
 from specrag.decoding.kv_manager import KVManager
 from specrag.decoding.model import PREFILL_CHUNK_TOKENS, CausalLM, prompt_chunk_end
-from specrag.decoding.policy import CostModel, Decision, PolicyConfig, RequestPolicy
+from specrag.decoding.policy import CostModel, PolicyConfig, RequestPolicy
 from specrag.decoding.prefix_cache import PrefixCache
 from specrag.decoding.request import (
     DrafterKind,
@@ -65,7 +64,6 @@ from specrag.decoding.sampling import select_token
 from specrag.decoding.sequence import SequenceState, make_drafters
 from specrag.decoding.stats import CycleInfo, GenerationStats, StatsMark
 from specrag.decoding.step_driver import Cycle, CycleResult, ForwardNeed, StepBatch
-from specrag.decoding.tree_sizing import grow_tree
 
 __all__ = ["Engine", "GenerationEvent", "GenerationRequest"]
 
@@ -130,7 +128,6 @@ class Engine:
             DEFAULT_MAX_NUM_BATCHED_TOKENS if max_num_batched_tokens is None else max_num_batched_tokens
         )
         self._budget_from(cost_model)
-        self._load: policies.StepLoad | None = None  # while a packed step's cycles decide
 
     # -- public API ---------------------------------------------------------------------
 
@@ -167,8 +164,8 @@ class Engine:
                 generator,
                 grammar,
                 ngram=(self.min_ngram, self.max_ngram),
-                # Trees need the packed attention that verifies them; a grammar follows one chain.
-                branches=TREE_BRANCHES if config.tree_nodes and self.target.packs_prompts and not grammar else 0,
+                # Trees need the packed attention that verifies them.
+                branches=TREE_BRANCHES if config.tree_nodes and self.target.packs_prompts else 0,
                 history=self.history,
                 draft=self.draft,
                 draft_kv=self.kv.new_draft_kv,
@@ -244,14 +241,21 @@ class Engine:
             waiting = next((seq for seq in sequences if not seq.prefilled), None)
             waiting_end = self._next_prompt_chunk_end(waiting) if waiting is not None else None
             reserved = waiting_end - len(waiting.kv) if waiting is not None and waiting_end is not None else 0
-            self._load = policies.StepLoad() if pack else None
+            planner = CyclePlanner(
+                self.cost_model,
+                running=len(self._active),
+                budget_tokens=self.max_num_batched_tokens,
+                load=policies.StepLoad() if pack else None,
+                observe_forward=self._observe_forward,
+                packing=pack,
+            )
             for seq in sequences:  # decode and verify tokens first
                 if seq.prefilled:
                     scheduled.append((seq, seq.stats.mark(), True))
-                    if self._load is not None:
-                        self._load.tokens = batch.tokens + reserved
-                    batch.add(self._advance(seq))
-            self._load = None
+                    if planner.load is not None:
+                        planner.load.tokens = batch.tokens + reserved
+                    batch.add(planner.decode(seq))
+            planner.load = None  # the decisions are made: prompt chunks are scheduled after them
             admitted_prefill = False
             for seq in sequences:  # then prompt chunks, the oldest waiting always
                 if seq.prefilled:
@@ -266,7 +270,7 @@ class Engine:
                 batch.add(self._prefill_chunk(seq, end))
             results = batch.run()
         finally:
-            self._packing, self._load = False, None
+            self._packing = False
         if self.cost_model is not None and batch.packed_seconds is not None:
             # A forward over T tokens, whoever's they were: the curve StepLoad reads C(T) from.
             self.cost_model.observe_forward(batch.packed_tokens, batch.packed_seconds)
@@ -305,95 +309,6 @@ class Engine:
             cycle,
             result.error,
         )
-
-    def _advance(self, seq: SequenceState) -> Cycle:
-        """One decode cycle of ``seq``: a generator yielding the target forward it needs."""
-        remaining = seq.request.max_tokens - seq.output_len
-        plan = seq.policy.plan(remaining, len(self._active))
-        if plan.gamma and self._load is not None:  # verify tokens count against the step's budget
-            room = self.max_num_batched_tokens - self._load.tokens - 1
-            plan = plan if room >= plan.gamma else policies.Decision(max(room, 0), policies.BATCH_SATURATED)
-        if plan.gamma == 0:
-            self._expect(1.0)
-            return (yield from decode_cycle(seq, self._observe_forward, no_draft(), plan.reason))
-        off_reason: str | None = policies.NO_PROPOSAL
-        best: tuple[Decision, Drafter, Draft | None] | None = None
-        for drafter in seq.drafters:
-            choice, draft = self._consider(seq, drafter, plan.gamma, remaining)
-            if choice.gamma == 0:
-                off_reason = choice.reason
-            elif best is None or choice.rate > best[0].rate:
-                best = (choice, drafter, draft)
-            if best is not None and seq.policy.mode != "auto":
-                break  # "on": the first drafter with a proposal, in order of preference
-        if best is None:
-            self._expect(1.0)
-            return (yield from decode_cycle(seq, self._observe_forward, no_draft(), off_reason))
-        choice, drafter, draft = best
-        self._expect(choice.expected)
-        if draft is None:  # a costly drafter (a model) is only asked once it has won
-            draft = yield from self._draft_with_model(seq, drafter, choice.gamma)
-            if not draft.tokens:
-                return (yield from decode_cycle(seq, self._observe_forward, no_draft(), policies.NO_PROPOSAL))
-        seq.stats.probe_cycles += choice.reason == "probe"
-        chain = draft.truncated(choice.gamma)
-        if draft.alternatives and seq.kv.compacts:
-            # Its rows are written past the cache like a chain's: within the reserved positions.
-            nodes = min(seq.policy.config.tree_nodes, remaining - 1)
-            if self._load is not None:  # a tree's nodes count against the step's budget
-                nodes = min(nodes, max(self.max_num_batched_tokens - self._load.tokens - 1, choice.gamma))
-            chain = grow_tree(seq.policy, chain, draft.alternatives, nodes, self._load)
-        return (yield from decode_cycle(seq, self._observe_forward, chain))
-
-    def _consider(
-        self, seq: SequenceState, drafter: Drafter, cap: int, remaining: int
-    ) -> tuple[Decision, Draft | None]:
-        """What one drafter would verify this cycle. A free drafter (prompt lookup) proposes
-        right away; a costly one (a model) is judged on its estimates before drafting."""
-        if drafter.costly:
-            choice = seq.policy.for_costly_drafter(
-                MODEL_SOURCE,
-                cap,
-                self.cost_model.draft_token_seconds if self.cost_model else 0.0,
-                setup_tokens=0 if len(drafter.kv) else len(seq.tokens),
-                remaining_tokens=remaining,
-                min_output_tokens=seq.request.min_tokens_for_speculation,
-                load=self._load,
-            )
-            return choice, None
-        draft = self._propose(seq, drafter, cap)
-        if not draft.tokens:
-            return Decision(0, policies.NO_PROPOSAL), None
-        return seq.policy.for_draft(draft.source, len(draft.tokens), draft.match_ngram, self._load), draft
-
-    def _expect(self, committed: float) -> None:
-        """Note what the cycle deciding now is expected to commit, for the cycles after it."""
-        if self._load is not None:
-            self._load.committed += committed
-
-    def _propose(self, seq: SequenceState, drafter: Drafter, gamma: int) -> Draft:
-        with seq.stats.timed("draft"):
-            return drafter.propose(seq.tokens, gamma)
-
-    def _draft_with_model(
-        self, seq: SequenceState, drafter: Drafter, gamma: int
-    ) -> Generator[ForwardNeed, torch.Tensor, Draft]:
-        """A model drafter's proposal, each of its forwards yielded to the step, which
-        answers those of all sequences drafting at once (``StepBatch``: lockstep)."""
-        assert isinstance(drafter, ModelDrafter)  # the one costly drafter: it drafts in lockstep
-        with seq.stats.timed("draft"):
-            start = time.perf_counter()
-            steps = drafter.drafting(seq.tokens, gamma)
-            try:
-                kv, token_ids = next(steps)
-                while True:
-                    logits = yield ForwardNeed(kv, token_ids, last_only=True, draft=True, target_tokens=gamma + 1)
-                    kv, token_ids = steps.send(logits[-1])
-            except StopIteration as done:
-                draft: Draft = done.value
-            if draft.tokens and self.cost_model is not None and not self._packing:
-                self.cost_model.observe_draft_token((time.perf_counter() - start) / len(draft.tokens))
-        return draft
 
     def _next_prompt_chunk_end(self, seq: SequenceState) -> int | None:
         """Where ``seq``'s next prefill chunk ends, or None while the KV pool cannot admit it.

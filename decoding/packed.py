@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specrag.decoding.fast_paths import PACKED_KWARG, PROMPT_ROWS, ROW_EXACT_KWARG, PromptRows
+from specrag.decoding.fast_paths import PACKED_KWARG, ROW_EXACT_KWARG
 from specrag.decoding.kv import SequenceKV
+from specrag.decoding.linears import PROMPT_ROWS, PromptRows
 from specrag.decoding.model import CausalLM
 from specrag.decoding.tree_attention import TreeRows
 

@@ -1,6 +1,6 @@
 """The cycles of one engine step: each with its own forwards, or all in packed forwards.
 
-A cycle (``Engine._advance``, ``Engine._prefill_chunk``) is a generator: it decides what
+A cycle (``CyclePlanner.decode``, ``Engine._prefill_chunk``) is a generator: it decides what
 to forward, yields each forward it needs as a ``ForwardNeed``, is sent that forward's
 logits, and returns the tokens it committed. A cycle needs at most one *target* forward,
 its last; before it, a cycle whose draft model won yields that model's forwards, one per

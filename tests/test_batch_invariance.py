@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from specrag.decoding import batch_invariance, dtype_choice, fast_paths
+from specrag.decoding import batch_invariance, dtype_choice, fast_paths, linears
 from specrag.decoding.batch_invariance import enable_row_exact, find_row_exact_chunking, verify_matches_steps
 from specrag.decoding.dtype_choice import DtypeCost, auto_cpu_dtype, cached_costs, choose, linear_shapes
-from specrag.decoding.fast_paths import SkinnyLinear, even_chunks
+from specrag.decoding.linears import SkinnyLinear, even_chunks
 from specrag.decoding.model import load_model, resolve_dtype
 from tests.conftest import tiny_causal_lm
 
@@ -82,22 +82,22 @@ def test_prompt_rows_go_in_products_of_exactly_the_prompt_block(monkeypatch: pyt
     layer.row_block, layer.prompt_block = 4, 8
     counts = _switching_product(monkeypatch, rows_limit=8)
     x = torch.randn(13, 16, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-    prompt_rows = fast_paths.PromptRows.of([False, False] + [True] * 10 + [False])  # a step, a prompt chunk, a step
-    marked = fast_paths.PROMPT_ROWS.set(prompt_rows)
+    prompt_rows = linears.PromptRows.of([False, False] + [True] * 10 + [False])  # a step, a prompt chunk, a step
+    marked = linears.PROMPT_ROWS.set(prompt_rows)
     try:
         out = layer(x[None])[0]
     finally:
-        fast_paths.PROMPT_ROWS.reset(marked)
+        linears.PROMPT_ROWS.reset(marked)
     assert counts == [8, 8, 3]  # the 10 prompt rows in two products of 8 (zero-padded), then 3 others
     expected = torch.nn.functional.linear(x, layer.weight)
     torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
     counts.clear()
     layer.prompt_block = None  # a layer without it (the LM head) takes every row as any row
-    marked = fast_paths.PROMPT_ROWS.set(prompt_rows)
+    marked = linears.PROMPT_ROWS.set(prompt_rows)
     try:
         layer(x)
     finally:
-        fast_paths.PROMPT_ROWS.reset(marked)
+        linears.PROMPT_ROWS.reset(marked)
     assert counts == [4, 4, 4, 1]  # a lone last row is padded to min_rows (1 here)
 
 
@@ -189,7 +189,7 @@ def test_a_float32_layer_is_row_exact_through_onednn_and_mkl_alone_is_not() -> N
     layer = _random_linear(1536, 576, torch.float32, generator)
     if dtype_choice.cpu_has_native_bf16():  # where it was measured; unknown on AVX2-only CPUs
         assert not batch_invariance.linear_rows_are_exact(layer, generator)  # the MKL form
-    if not fast_paths.onednn_available(layer.weight):
+    if not linears.onednn_available(layer.weight):
         pytest.skip("this torch has no oneDNN inner product")
     setting = batch_invariance.find_row_exact_setting(layer)
     if setting is None:
