@@ -66,6 +66,9 @@ class AgentRunRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     citation_min_similarity: (
         Annotated[float, msgspec.Meta(ge=0.0, le=1.0, description="cosine a sentence needs to cite a passage")] | None
     ) = None
+    # The end user, as OpenAI's ``user``: the run's decoding may draft from that user's
+    # earlier answers (agent runs and chat completions alike), and from no one else's.
+    user: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
 
 
 class FunctionCall(msgspec.Struct, kw_only=True):
@@ -178,3 +181,9 @@ class ErrorResponse(msgspec.Struct, kw_only=True):
     """Every error the server returns (documented in the OpenAPI schema for each route)."""
 
     error: ErrorDetail
+
+
+def user_tenant(user: str | None) -> str | None:
+    """The drafting tenant (``GenerationRequest.tenant``) of an API request's ``user``:
+    one per end user, shared by their agent runs and chat completions."""
+    return f"user:{user}" if user is not None else None

@@ -299,6 +299,7 @@ class AgentLoop(FirstStepProbes, AnswerChecks):
             lookup_source_names=[passage_id for passage_id, _ in run.lookup],
             grammar=grammar,
             logits_processors=processors,
+            tenant=options.tenant,
         )
         decoder = IncrementalDecoder(self.tokenizer)
         # With tools, text is streamed once it is known not to be a call; after tool results,

@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from specrag.agent.api_models import ChatCompletionRequest, ServerLimits, ToolDefinition
+from specrag.agent.api_models import ChatCompletionRequest, ServerLimits, ToolDefinition, user_tenant
 from specrag.agent.errors import ApiError, invalid, logger
 from specrag.agent.metrics import ServerMetrics
 from specrag.agent.prompt import PromptParts, encode_messages, system_message
@@ -108,7 +108,7 @@ def plan_chat(agent: Any, body: ChatCompletionRequest, limits: ServerLimits) -> 
         stop_sequences=_stop_token_sequences(tokenizer, stops),
         logits_processors=_penalty_processors(body, len(prompt)),
         grammar=grammar,
-        tenant=f"user:{body.user}" if body.user is not None else None,
+        tenant=user_tenant(body.user),
     )
     kv = getattr(getattr(agent, "engine", None), "kv", None)
     try:

@@ -18,7 +18,7 @@ from litestar import Controller, Response, post
 from litestar.params import JSONBody
 from litestar.response import ServerSentEvent, ServerSentEventMessage
 
-from specrag.agent.api_models import AgentRunRequest, ServerLimits
+from specrag.agent.api_models import AgentRunRequest, ServerLimits, user_tenant
 from specrag.agent.errors import POST_ERRORS, ApiError, invalid, logger
 from specrag.agent.events import AgentEvent, ErrorEvent, FinalEvent, TokenEvent
 from specrag.agent.loop import default_tools
@@ -97,6 +97,7 @@ def run_options(agent: ServedAgent, body: AgentRunRequest, limits: ServerLimits)
         "citations": body.citations,
         "grounding": body.grounding,
         "grounding_judge": body.grounding_judge,
+        "tenant": user_tenant(body.user),
     }
     if body.min_supported is not None:
         fields["min_supported"] = body.min_supported

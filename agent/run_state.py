@@ -57,6 +57,8 @@ class RunOptions:
     # (agent/repeat_deviation.py), at positions whose margin (logits) is at most this; when
     # no try makes a new grounded call, the next step answers. 0: ties only.
     max_deviation_margin: float = math.inf
+    # Whose earlier outputs decoding may draft from (``GenerationRequest.tenant``); None: none.
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         if not self.max_deviation_margin >= 0.0:

@@ -159,6 +159,16 @@ def test_speculation_on_and_off_give_identical_answers(client: TestClient[Any]) 
     assert chat_on["speculation"]["drafted_tokens"] > 0 and chat_off["speculation"]["drafted_tokens"] == 0
 
 
+def test_an_agent_run_naming_a_user_keeps_its_answer_for_that_user_only(client: TestClient[Any], agent: Agent) -> None:
+    history = agent.engine.history
+    before = history.tokens_held("user:carol")
+    plain = client.post("/v1/agent/runs", json=run_body(question=QUOTE)).json()
+    named = client.post("/v1/agent/runs", json=run_body(question=QUOTE, user="carol")).json()
+    assert named["answer"] == plain["answer"]  # greedy: drafting from history changes no token
+    assert history.tokens_held("user:carol") > before and history.tokens_held("user:dave") == 0
+    assert_error(client.post("/v1/agent/runs", json=run_body(user="")), 400, "user")
+
+
 def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
