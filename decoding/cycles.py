@@ -42,13 +42,17 @@ def decode_cycle(seq: SequenceState, observe: ForwardObserver, draft: Draft, off
     chain, or a tree's nodes), accept a prefix (a path), roll the rest back, commit. γ = 0
     is a plain step; ``off_reason`` says why nothing was drafted."""
     bitmask = None
-    if seq.grammar is not None:  # candidates after the first ungrammatical one are never verified
-        draft = draft.first_path()  # the matcher follows one chain (trees go unconstrained)
+    if seq.grammar is not None:  # ungrammatical candidates (and what follows them) are never verified
         with seq.stats.timed("grammar"):
-            valid_len, bitmask = seq.grammar.advance_chain(draft.tokens)
-        if draft.tokens and not valid_len:
+            if draft.parents is None:
+                valid_len, bitmask = seq.grammar.advance_chain(draft.tokens)
+                kept_draft = draft.truncated(valid_len)
+            else:
+                kept, bitmask = seq.grammar.advance_tree(draft.tokens, draft.parents)
+                kept_draft = draft.subtree(kept)
+        if draft.tokens and not kept_draft.tokens:
             off_reason = policies.GRAMMAR_REJECTED
-        draft = draft.truncated(valid_len)
+        draft = kept_draft
     gamma = len(draft.tokens)
     kept_before = len(seq.kv)
     tree = TreeRows.of(draft.parents) if draft.parents is not None else None
@@ -64,7 +68,10 @@ def decode_cycle(seq: SequenceState, observe: ForwardObserver, draft: Draft, off
     accepted_len = len(accepted_nodes)
     if seq.grammar is not None:
         with seq.stats.timed("grammar"):
-            seq.grammar.settle(len(draft.tokens), committed)
+            if draft.parents is None:
+                seq.grammar.settle(len(draft.tokens), committed)
+            else:
+                seq.grammar.follow(committed)
     with seq.stats.timed("rollback"):
         # Keep the pending token and the accepted drafts; drop the rejected ones.
         seq.kv.compact(kept_before, compaction_rows(accepted_nodes))

@@ -143,6 +143,46 @@ class GrammarState:
             self._fill(self._matcher, valid_len, rows=len(candidates) + 1)
         return valid_len, bitmask[: valid_len + 1].clone()
 
+    def advance_tree(self, tokens: Sequence[int], parents: Sequence[int]) -> tuple[list[int], torch.Tensor]:
+        """A draft tree's nodes the grammar allows on their own paths, and their rows' masks.
+
+        Each node is tried on a fork of its parent's matcher (the committed matcher for a
+        root), so siblings never see each other; a node the grammar rejects, or one after a
+        stop token, is dropped with its subtree. Returns (kept: the surviving nodes in
+        preorder, bitmask[len(kept) + 1]: row 0 the mask after the committed tokens, row
+        j + 1 the mask after kept node j's path). The committed matcher is not advanced:
+        ``follow`` does that once the path is accepted.
+        """
+        bitmask = self._ensure_rows(len(tokens) + 1)
+        if self._matcher.is_terminated():  # the output has ended: nothing to verify
+            bitmask[0].fill_(-1)
+            return [], bitmask[:1].clone()
+        self._fill(self._matcher, 0, rows=len(tokens) + 1)
+        forks: dict[int, xgr.GrammarMatcher] = {}
+        kept: list[int] = []
+        for node, (token, parent) in enumerate(zip(tokens, parents, strict=True)):
+            base = self._matcher if parent < 0 else forks.get(parent)
+            if base is None or base.is_terminated():  # its parent was dropped, or ended the output
+                continue
+            fork = base.fork()
+            if not fork.accept_token(int(token)):
+                continue
+            forks[node] = fork
+            kept.append(node)
+            if fork.is_terminated():  # as for a chain: nothing after a stop is committed
+                bitmask[len(kept)].fill_(-1)
+            else:
+                self._fill(fork, len(kept), rows=len(tokens) + 1)
+        return kept, bitmask[: len(kept) + 1].clone()
+
+    def follow(self, committed: Sequence[int]) -> None:
+        """After a tree's acceptance (only forks were advanced): accept the committed
+        tokens, the accepted path and the target's token, up to a stop token."""
+        for token in committed:
+            if self._matcher.is_terminated():
+                break
+            self.accept(token)
+
     def settle(self, advanced: int, committed: Sequence[int]) -> None:
         """After acceptance: undo the candidates that were not committed, then accept the
         corrected or bonus token (the last of ``committed``)."""

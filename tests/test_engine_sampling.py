@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from unittest import mock
 
 import pytest
@@ -21,6 +21,8 @@ from specrag.decoding.grammar_compile import GrammarCompiler
 from specrag.decoding.model import CausalLM
 from specrag.decoding.policy import PolicyConfig
 from specrag.decoding.sampling import probs_from_logits
+from specrag.decoding.stats import GenerationStats
+from specrag.decoding.tree import node_depths
 from tests.conftest import tiny_causal_lm
 
 VOCAB = 6
@@ -46,11 +48,39 @@ def exact_second_and_third_token() -> torch.Tensor:
     return joint
 
 
+def batched_pair_counts(
+    engine: Engine,
+    request_for: Callable[[int], GenerationRequest],
+    on_finish: Callable[[GenerationStats], None],
+    allow_errors: bool = False,
+) -> tuple[torch.Tensor, int]:
+    """(second, third) token counts over RUNS seeded requests (``request_for(seed)``), BATCH
+    at a time in one engine, so they share packed steps; each finished request's stats go
+    to ``on_finish``. With ``allow_errors`` (a planted bug) a request that fails is counted
+    apart; the second value is how many did."""
+    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    errors = 0
+    for first in range(0, RUNS, BATCH):
+        outputs = {engine.add(request_for(seed)): [] for seed in range(first, min(first + BATCH, RUNS))}
+        while engine.has_unfinished():
+            for event in engine.step():
+                outputs[event.seq_id] += event.token_ids
+                if event.finished and event.error is not None:
+                    assert allow_errors, event.error
+                    errors += 1
+                    del outputs[event.seq_id]
+                elif event.finished:
+                    assert event.stats is not None
+                    on_finish(event.stats)
+        for output in outputs.values():
+            counts[output[1], output[2]] += 1
+    return counts, errors
+
+
 def sampled_second_and_third_token(grammar: Grammar | None = None) -> torch.Tensor:
     """RUNS seeded requests, BATCH at a time in one engine, so they share packed steps
     (target and draft forwards alike): the distribution is checked on batched steps."""
     engine = Engine(TARGET, DRAFT, default_drafter="model")
-    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     speculated = rejections = widest = 0
     real = step_driver.packed_forward
 
@@ -59,29 +89,24 @@ def sampled_second_and_third_token(grammar: Grammar | None = None) -> torch.Tens
         widest = max(widest, len(chunks))
         return real(lm, chunks)
 
+    def request_for(seed: int) -> GenerationRequest:
+        return GenerationRequest(
+            PROMPT,
+            max_tokens=4,
+            speculation="on",
+            num_speculative_tokens=2,
+            stop_token_ids=[],
+            sampling=SamplingParams(temperature=1.0, top_k=5, seed=seed),
+            grammar=grammar,
+        )
+
+    def on_finish(stats: GenerationStats) -> None:
+        nonlocal speculated, rejections
+        speculated += stats.drafted_tokens > 0
+        rejections += stats.wasted_verify_tokens > 0
+
     with packing(TARGET, DRAFT), mock.patch.object(step_driver, "packed_forward", counted):
-        for first in range(0, RUNS, BATCH):
-            outputs: dict[int, list[int]] = {}
-            for seed in range(first, min(first + BATCH, RUNS)):
-                request = GenerationRequest(
-                    PROMPT,
-                    max_tokens=4,
-                    speculation="on",
-                    num_speculative_tokens=2,
-                    stop_token_ids=[],
-                    sampling=SamplingParams(temperature=1.0, top_k=5, seed=seed),
-                    grammar=grammar,
-                )
-                outputs[engine.add(request)] = []
-            while engine.has_unfinished():
-                for event in engine.step():
-                    outputs[event.seq_id] += event.token_ids
-                    if event.finished:
-                        assert event.stats is not None and event.error is None
-                        speculated += event.stats.drafted_tokens > 0
-                        rejections += event.stats.wasted_verify_tokens > 0
-            for output in outputs.values():
-                counts[output[1], output[2]] += 1
+        counts, _ = batched_pair_counts(engine, request_for, on_finish)
     assert widest == BATCH  # every sequence of a batch in one forward
     assert speculated > RUNS // 2 and rejections > RUNS // 10  # drafts verified, residual path taken
     return counts
@@ -156,8 +181,7 @@ def exact_constrained_pairs() -> torch.Tensor:
 
 
 def sampled_constrained_pairs() -> torch.Tensor:
-    info = xgr.TokenizerInfo(list(CHARS), vocab_size=VOCAB, stop_token_ids=[])
-    return sampled_second_and_third_token(GrammarCompiler(info).ebnf(ITEM_EBNF))
+    return sampled_second_and_third_token(item_grammar())
 
 
 @pytest.mark.slow
@@ -178,41 +202,39 @@ def test_constrained_check_catches_an_unmasked_draft_q(monkeypatch: pytest.Monke
 FORKS = [[first, (first + step) % VOCAB, (first + 2 * step) % VOCAB] for first in range(VOCAB) for step in (1, 2, 3)]
 
 
-def sampled_with_trees() -> tuple[torch.Tensor, int, int]:
+def sampled_with_trees(
+    grammar: Grammar | None = None, allow_errors: bool = False
+) -> tuple[torch.Tensor, int, int, int]:
     """(second, third) token counts over RUNS seeded requests drafting trees, BATCH per step;
-    how many of them verified a tree, and how many took a token off their chain."""
+    how many of them verified a tree, how many took a token off their chain, how many failed."""
     engine = Engine(TARGET, min_ngram=1, max_ngram=2, policy=PolicyConfig(tree_nodes=8))
-    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
     trees = branch_wins = 0
+
+    def request_for(seed: int) -> GenerationRequest:
+        return GenerationRequest(
+            PROMPT,
+            max_tokens=4,
+            speculation="on",
+            num_speculative_tokens=2,
+            stop_token_ids=[],
+            sampling=SamplingParams(temperature=1.0, top_k=5, seed=seed),
+            lookup_sources=FORKS if grammar is None else ITEM_FORKS,
+            grammar=grammar,
+        )
+
+    def on_finish(stats: GenerationStats) -> None:
+        nonlocal trees, branch_wins
+        trees += stats.tree_cycles > 0
+        branch_wins += stats.branch_accepted_tokens > 0
+
     with packing(TARGET):
-        for first in range(0, RUNS, BATCH):
-            outputs: dict[int, list[int]] = {}
-            for seed in range(first, min(first + BATCH, RUNS)):
-                request = GenerationRequest(
-                    PROMPT,
-                    max_tokens=4,
-                    speculation="on",
-                    num_speculative_tokens=2,
-                    stop_token_ids=[],
-                    sampling=SamplingParams(temperature=1.0, top_k=5, seed=seed),
-                    lookup_sources=FORKS,
-                )
-                outputs[engine.add(request)] = []
-            while engine.has_unfinished():
-                for event in engine.step():
-                    outputs[event.seq_id] += event.token_ids
-                    if event.finished:
-                        assert event.stats is not None
-                        trees += event.stats.tree_cycles > 0
-                        branch_wins += event.stats.branch_accepted_tokens > 0
-            for output in outputs.values():
-                counts[output[1], output[2]] += 1
-    return counts, trees, branch_wins
+        counts, errors = batched_pair_counts(engine, request_for, on_finish, allow_errors)
+    return counts, trees, branch_wins, errors
 
 
 @pytest.mark.slow
 def test_engine_sampling_over_draft_trees_matches_the_target() -> None:
-    counts, trees, branch_wins = sampled_with_trees()
+    counts, trees, branch_wins, _ = sampled_with_trees()
     assert trees > RUNS // 2 and branch_wins > RUNS // 10  # the siblings' rule was exercised
     assert pvalue(counts, exact_second_and_third_token()) > 0.001
 
@@ -224,3 +246,37 @@ def test_engine_tree_check_catches_unrenormalised_siblings(monkeypatch: pytest.M
 
     monkeypatch.setattr(tree, "_sibling_acceptance", accept_with_p)
     assert pvalue(sampled_with_trees()[0], exact_second_and_third_token()) < 1e-4
+
+
+# Every pair of the grammar's items: after a head, lookup finds both of its followers.
+ITEMS = ["ax", "ay", "by", "bz", "cx", "cz", "x"]
+ITEM_FORKS = [[CHARS.index(char) for char in first + second] for first in ITEMS for second in ITEMS]
+
+
+def item_grammar() -> Grammar:
+    info = xgr.TokenizerInfo(list(CHARS), vocab_size=VOCAB, stop_token_ids=[])
+    return GrammarCompiler(info).ebnf(ITEM_EBNF)
+
+
+@pytest.mark.slow
+def test_constrained_sampling_over_draft_trees_matches_the_masked_target() -> None:
+    counts, trees, branch_wins, _ = sampled_with_trees(item_grammar())
+    assert trees > RUNS // 5 and branch_wins > RUNS // 50  # branches survived the grammar and won
+    assert pvalue(counts, exact_constrained_pairs()) > 0.001
+
+
+@pytest.mark.slow
+def test_constrained_tree_check_catches_branches_masked_by_the_chain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: every branch node gets its row masked as if it followed the chain (one
+    matcher for the whole tree). The run must fail loudly or sample the wrong law."""
+
+    def chain_masks(self: GrammarState, tokens: list[int], parents: list[int]) -> tuple[list[int], torch.Tensor]:
+        length = next((node for node, parent in enumerate(parents) if parent != node - 1), len(parents))
+        valid, chain_rows = self.advance_chain(tokens[:length])
+        self._matcher.rollback(valid)
+        rows = [chain_rows[min(node_depths(parents)[node] + 1, valid)] for node in range(len(tokens))]
+        return list(range(len(tokens))), torch.stack([chain_rows[0], *rows])
+
+    monkeypatch.setattr(GrammarState, "advance_tree", chain_masks)
+    counts, _, _, errors = sampled_with_trees(item_grammar(), allow_errors=True)
+    assert errors > 0 or pvalue(counts, exact_constrained_pairs()) < 1e-4

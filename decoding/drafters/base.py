@@ -48,6 +48,23 @@ class Draft:
         probs = self.probs[:gamma] if self.probs is not None else None
         return Draft(self.tokens[:gamma], probs, self.source, self.match_ngram)
 
+    def subtree(self, kept: Sequence[int]) -> Draft:
+        """The tree with only the ``kept`` nodes (preorder indices, each kept node's parent
+        kept too), renumbered in preorder; nothing kept: an empty chain."""
+        assert self.parents is not None
+        if not kept:
+            return Draft([], None, self.source, self.match_ngram)
+        index = {node: position for position, node in enumerate(kept)}
+        parents = [-1 if self.parents[node] < 0 else index[self.parents[node]] for node in kept]
+
+        def pick(values: list[str] | None) -> list[str] | None:
+            return [values[node] for node in kept] if values is not None else None
+
+        tokens = [self.tokens[node] for node in kept]
+        return Draft(
+            tokens, None, self.source, self.match_ngram, parents, pick(self.node_sources), pick(self.branch_keys)
+        )
+
     def first_path(self) -> Draft:
         """The chain the tree was grown from: its first path up to the first branch node
         (a chain is its own)."""

@@ -375,6 +375,13 @@ MUTATIONS = (
         "if key and (parents[node] == -1 or parents[node] in accepted) and node in accepted:",
         ("tests/test_tree_sizing.py",),
     ),
+    Mutation(
+        "grammar_tree_siblings_share_one_matcher",
+        "decoding/grammar.py",
+        "            fork = base.fork()\n",
+        "            fork = base if parent < 0 else base.fork()\n",
+        ("tests/test_grammar_tree.py",),
+    ),
 )
 
 
