@@ -155,6 +155,9 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     repetition_penalty: RepetitionPenalty | None = None
     n: int = 1
     speculation: Speculation = "auto"
+    # Most nodes of a draft tree (chain included; docs/design/trees.md); 0: chains only;
+    # None: the server's policy.
+    draft_tree_nodes: Annotated[int, msgspec.Meta(ge=0, le=64)] | None = None
     # OpenAI's end-user id. specrag also scopes drafting from earlier outputs by it: a
     # request that names a user may copy that user's earlier answers, and no one else's.
     user: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None

@@ -109,6 +109,7 @@ def plan_chat(agent: Any, body: ChatCompletionRequest, limits: ServerLimits) -> 
         logits_processors=_penalty_processors(body, len(prompt)),
         grammar=grammar,
         tenant=user_tenant(body.user),
+        tree_nodes=body.draft_tree_nodes,
     )
     kv = getattr(getattr(agent, "engine", None), "kv", None)
     try:

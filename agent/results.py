@@ -58,6 +58,8 @@ def speculation_summary(all_stats: Sequence[GenerationStats]) -> dict[str, Any]:
         "committed_per_call": output / calls if calls else 0.0,
         "off_reasons": reasons,
         "accepted_by_source": by_source,
+        "tree_cycles": sum(stats.tree_cycles for stats in all_stats),
+        "branch_accepted_tokens": sum(stats.branch_accepted_tokens for stats in all_stats),
     }
 
 

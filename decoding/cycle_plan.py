@@ -6,8 +6,9 @@ Choice, per cycle: the policy's plan gives a cap on γ (0: a plain step). Each d
 is then considered: a free one (prompt lookup) proposes right away and is judged on its
 proposal; a costly one (a model) is judged on its estimates and drafts only once it has
 won, in lockstep with the step's other model drafters. In "auto" the best expected rate
-wins; in "on" the first drafter with a proposal. A winning prompt-lookup draft with
-alternative continuations grows into a tree where the cache can compact its accepted path.
+wins; in "on" the first drafter with a proposal. A winning draft with alternatives
+(prompt lookup's other matches, the draft model's runner-ups) grows into a tree where the
+cache can compact its accepted path.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class CyclePlanner:
     running: int  # sequences active in the engine (the policy's batch-size input)
     budget_tokens: int  # the step's max_num_batched_tokens
     load: policies.StepLoad | None  # set while a packed step's cycles decide, else None
-    observe_forward: Callable[[int, float], None]  # a forward's cost, for the cost model
+    observe_forward: Callable[[int, float, int], None]  # a forward's cost (tokens, start, paths)
     packing: bool  # one forward's time is no single sequence's cost
 
     def decode(self, seq: SequenceState) -> Cycle:

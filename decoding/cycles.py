@@ -7,8 +7,8 @@ The engine (``decoding/engine.py``) decides which cycle a sequence runs and with
 draft; these generators do it. Each yields the one target forward it needs
 (``ForwardNeed``, answered alone or packed by ``decoding/step_driver.py``) with its rows'
 grammar mask and logits processors, is sent its rows processed and masked, and returns the
-tokens it committed. ``observe`` hears each forward's token count
-and start time (the engine's cost model, around the maths, never inside it).
+tokens it committed. ``observe`` hears each forward's token count, start time and number
+of paths (the engine's cost model, around the maths, never inside it).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from specrag.decoding.tree import compaction_rows, greedy_accept_tree, path_to, 
 from specrag.decoding.tree_attention import TreeRows
 from specrag.decoding.tree_sizing import observe_tree
 
-ForwardObserver = Callable[[int, float], None]  # (tokens forwarded, perf_counter at the start)
+# (tokens forwarded, perf_counter at the start, root-to-leaf paths: 1 for a chain)
+ForwardObserver = Callable[[int, float, int], None]
 
 
 def no_draft() -> Draft:
@@ -61,7 +62,7 @@ def decode_cycle(seq: SequenceState, observe: ForwardObserver, draft: Draft, off
         rows = [seq.tokens[-1], *draft.tokens]
         need = ForwardNeed(seq.kv, rows, prepare=row_processor(seq, draft), bitmask=bitmask, tree=tree)
         target_logits = yield need
-        observe(gamma + 1, start)
+        observe(gamma + 1, start, len(tree.segments) if tree is not None else 1)
     seq.stats.target_calls += 1
     with seq.stats.timed("accept"):
         accepted_nodes, committed = _accept(draft, target_logits, seq.request.sampling, seq.generator)

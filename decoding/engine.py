@@ -218,7 +218,9 @@ class Engine:
         128..512 (the step budget), draft token costs."""
         draft_timer = ForwardTimer(self.draft) if self.draft is not None else None
         prompt = prompt_costs(self.target)
-        self.cost_model = CostModel.measure(ForwardTimer(self.target), draft_timer, prompt_seconds=prompt)
+        timer = ForwardTimer(self.target)
+        tree = timer.tree if self.target.packs_prompts else None  # only the packed forward verifies trees
+        self.cost_model = CostModel.measure(timer, draft_timer, prompt_seconds=prompt, tree_forward=tree)
         self._budget_from(self.cost_model)
         return self.cost_model
 
@@ -342,6 +344,10 @@ class Engine:
         grammar_accept(seq, token)
         return seq.commit([token])
 
-    def _observe_forward(self, tokens: int, start: float) -> None:
-        if self.cost_model is not None and not self._packing:
+    def _observe_forward(self, tokens: int, start: float, paths: int = 1) -> None:
+        if self.cost_model is None or self._packing:
+            return
+        if paths > 1:
+            self.cost_model.observe_tree_forward(tokens, paths, time.perf_counter() - start)
+        else:
             self.cost_model.observe_forward(tokens, time.perf_counter() - start)

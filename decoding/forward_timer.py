@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -32,13 +33,31 @@ class ForwardTimer:
         """A prompt chunk of ``tokens``: prompt attention, the last row's logits only."""
         return self._timed(tokens, prompt=True)
 
-    def _timed(self, tokens: int, prompt: bool) -> float:
+    def tree(self, tokens: int, paths: int) -> float:
+        """A verify over ``tokens`` rows: the pending token and a draft tree of ``paths``
+        equal chains under it (the packed forward, the only one that verifies trees)."""
+        from specrag.decoding.packed import Chunk, packed_forward
+        from specrag.decoding.tree_attention import TreeRows
+
+        nodes = tokens - 1
+        parents: list[int] = []
+        for path in range(paths):
+            length = nodes // paths + (path < nodes % paths)
+            parents += [-1, *range(len(parents), len(parents) + length - 1)] if length else []
+        tree = TreeRows.of(parents)
+        return self._timed(
+            tokens, prompt=False, run=lambda kv, ids: packed_forward(self.model, [Chunk(kv, ids, tree=tree)])
+        )
+
+    def _timed(self, tokens: int, prompt: bool, run: Callable[[SequenceKV, list[int]], object] | None = None) -> float:
         if self.kv is None:
             self.kv = self.model.new_kv()
             self.model.prefill(self.kv, self.ids[:_CALIBRATION_CONTEXT])
         new_tokens = self.ids[_CALIBRATION_CONTEXT : _CALIBRATION_CONTEXT + tokens]
         start = time.perf_counter()
-        if prompt:
+        if run is not None:
+            run(self.kv, new_tokens)
+        elif prompt:
             self.model.forward_prompt(self.kv, new_tokens)
         else:
             self.model.forward(self.kv, new_tokens)

@@ -49,6 +49,7 @@ GRAMMAR_REJECTED = "grammar_rejected"  # the grammar rejected the first candidat
 # 64: a packed step's forward carries several sequences' tokens, and a verify's marginal
 # cost there is read from this curve beyond 16 (StepLoad).
 FORWARD_TOKEN_COUNTS = (1, 2, 4, 8, 16, 64)
+TREE_CALIBRATION = (16, 4)  # rows and paths of the tree forward whose extra cost per path is measured
 # Prompt-chunk forwards (last row's logits only) timed for the step's token budget.
 BUDGET_TOKEN_COUNTS = (128, 256, 512)
 # The budget is the fewest tokens per step whose forward reaches this share of the best
@@ -66,6 +67,11 @@ class CostModel:
     Seeded by a measurement and refreshed by every forward the engine runs (EWMA per k),
     so it follows the context length and the machine's load. Between measured k the cost
     is interpolated linearly; beyond the largest, extrapolated from the last two points.
+
+    A draft tree's forward costs more than a chain's over as many rows: its attention runs
+    once per root-to-leaf path (``decoding/tree_attention.py``). ``tree_path_seconds`` is
+    that extra cost per path beyond the first, measured and refreshed by tree verifies
+    apart from the chain curve, so trees never make chains look dearer.
     """
 
     def __init__(
@@ -75,6 +81,7 @@ class CostModel:
         draft_prefill_token_seconds: float = 0.0,
         decay: float = 0.2,
         prompt_seconds: dict[int, float] | None = None,
+        tree_path_seconds: float = 0.0,
     ) -> None:
         if 1 not in forward_seconds:
             raise ValueError("the cost model needs the cost of a one-token forward")
@@ -83,6 +90,7 @@ class CostModel:
         self.draft_prefill_token_seconds = draft_prefill_token_seconds
         self.decay = decay
         self.prompt_seconds = dict(prompt_seconds or {})  # prompt-chunk forwards over T tokens
+        self.tree_path_seconds = tree_path_seconds
 
     @classmethod
     def measure(
@@ -92,10 +100,12 @@ class CostModel:
         counts: tuple[int, ...] = FORWARD_TOKEN_COUNTS,
         repeats: int = 2,
         prompt_seconds: dict[int, float] | None = None,
+        tree_forward: Callable[[int, int], float] | None = None,
     ) -> CostModel:
         """``forward(k)`` / ``draft_forward(k)`` run one forward over k tokens and return
         seconds; ``prompt_seconds`` are prompt chunks' costs measured elsewhere
-        (``forward_timer.prompt_costs``)."""
+        (``forward_timer.prompt_costs``); ``tree_forward(k, paths)`` verifies a tree of k
+        rows in ``paths`` paths (None: the target verifies no trees)."""
         forward(1)  # warm-up: first calls allocate
         seconds = {count: min(forward(count) for _ in range(repeats)) for count in counts}
         draft_token = draft_prefill = 0.0
@@ -103,7 +113,12 @@ class CostModel:
             draft_forward(1)
             draft_token = min(draft_forward(1) for _ in range(repeats))
             draft_prefill = min(draft_forward(64) for _ in range(repeats)) / 64
-        return cls(seconds, draft_token, draft_prefill, prompt_seconds=prompt_seconds)
+        path = 0.0
+        if tree_forward is not None:
+            rows, paths = TREE_CALIBRATION
+            tree = min(tree_forward(rows, paths) for _ in range(repeats))
+            path = max(0.0, (tree - min(forward(rows) for _ in range(repeats))) / (paths - 1))
+        return cls(seconds, draft_token, draft_prefill, prompt_seconds=prompt_seconds, tree_path_seconds=path)
 
     def budget_tokens(self, chunk_tokens: int) -> int | None:
         """The step token budget this curve suggests, if prompt chunks were timed: the knee
@@ -140,6 +155,16 @@ class CostModel:
         for count in self._forward:
             self._forward[count] *= 1.0 + step
         self._forward[tokens] = (1 - self.decay) * previous + self.decay * seconds
+
+    def tree_forward_seconds(self, tokens: int, paths: int) -> float:
+        """A forward over ``tokens`` rows of which a tree's nodes make ``paths`` paths."""
+        return self.forward_seconds(tokens) + self.tree_path_seconds * max(paths - 1, 0)
+
+    def observe_tree_forward(self, tokens: int, paths: int, seconds: float) -> None:
+        """A tree verify teaches the per-path cost, never the chain curve."""
+        if paths > 1:
+            extra = max(0.0, (seconds - self.forward_seconds(tokens)) / (paths - 1))
+            self.tree_path_seconds = (1 - self.decay) * self.tree_path_seconds + self.decay * extra
 
     def observe_draft_token(self, seconds: float) -> None:
         self.draft_token_seconds = (1 - self.decay) * self.draft_token_seconds + self.decay * seconds

@@ -135,5 +135,7 @@ def make_drafters(
         if grammar is not None:  # q is masked along the draft exactly as p is along the chain
             processors.append(grammar.draft_processor(len(request.prompt_tokens)))
         processor = functools.partial(apply_processors, processors) if processors else None
-        drafters.append(ModelDrafter(draft, request.sampling, generator, processor, draft_prefix_cache, draft_kv()))
+        drafters.append(
+            ModelDrafter(draft, request.sampling, generator, processor, draft_prefix_cache, draft_kv(), branches)
+        )
     return drafters

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specrag.decoding.drafters.base import Draft
+from specrag.decoding.drafters.model_drafter import SOURCE as MODEL_SOURCE
 from specrag.decoding.policy import BRANCH_SOURCE, RequestPolicy, StepLoad, estimate_key
 
 
@@ -50,27 +51,33 @@ def grow_tree(
     policy: RequestPolicy, chain: Draft, alternatives: Sequence[Draft], max_nodes: int, load: StepLoad | None = None
 ) -> Draft:
     """``chain`` (already sized by the policy) with the branches from ``alternatives`` that
-    raise the forward's expected rate; ``chain`` itself when none does."""
-    if not chain.tokens or not alternatives or max_nodes <= len(chain.tokens):
+    raise the forward's expected rate. Nodes are taken best score first, chain and branch
+    nodes alike, so where ``max_nodes`` binds a branch node takes the place of the chain's
+    deepest nodes if it scores higher. ``chain`` as it is when no branch pays."""
+    if not chain.tokens or not alternatives:
         return chain
     nodes = _chain_nodes(policy, chain, alternatives)
     for alternative in alternatives:
         _insert(policy, nodes, alternative)
-    extra = sorted(range(len(chain.tokens), len(nodes)), key=lambda index: (-nodes[index].score, index))
-    room = max_nodes - len(chain.tokens)
+    # Best first, the chain's first node always (the tree's first path starts there). A
+    # node never scores above its parent and ties go to the lower index, which a parent
+    # has: every prefix of this order holds each of its nodes' parents.
+    order = [0, *sorted(range(1, len(nodes)), key=lambda index: (-nodes[index].score, index))]
+    order = order[: max(max_nodes, 1)]
     if policy.mode == "auto" and policy.cost is not None:
-        kept = _best_prefix(policy, nodes, len(chain.tokens), extra[:room], load or StepLoad())
-    else:  # "on" verifies what it is offered, as it does a chain's γ
-        kept = extra[:room]
-    if not kept:
-        return chain
-    return _preorder(chain, nodes, set(range(len(chain.tokens))) | set(kept))
+        order = order[: _best_count(policy, nodes, order, load or StepLoad())]
+    # else "on" verifies what it is offered, as it does a chain's γ
+    if all(index < len(chain.tokens) for index in order):
+        return chain  # no branch pays: the chain as the policy sized it
+    return _preorder(chain, nodes, set(order))
 
 
 def _chain_nodes(policy: RequestPolicy, chain: Draft, alternatives: Sequence[Draft]) -> list[_Node]:
     """The chain's nodes, each scored by its estimate and its share of the peers' vote."""
     estimate = policy.estimate(estimate_key(chain.source, chain.match_ngram))
-    peers = [alternative.tokens for alternative in alternatives if alternative.match_ngram >= chain.match_ngram]
+    # Peers are lookup matches as long as the chain's; a draft model's runner-ups are not
+    # votes against its argmax.
+    peers = [alt.tokens for alt in alternatives if chain.match_ngram and alt.match_ngram >= chain.match_ngram]
     nodes, score = [], 1.0
     for position, token in enumerate(chain.tokens):
         # Peers that agreed with the chain so far and go on: where they part, it is a fork.
@@ -91,7 +98,7 @@ def _children(nodes: list[_Node], parent: int) -> list[int]:
 
 def _insert(policy: RequestPolicy, nodes: list[_Node], alternative: Draft) -> None:
     """Walk ``alternative`` down the tree; where it leaves it, add its rest as a branch."""
-    key = estimate_key(BRANCH_SOURCE, max(alternative.match_ngram, 1))
+    key = branch_key(alternative)
     branch = policy.estimate(key)
     parent, parent_score, depth = -1, 1.0, -1  # depth: in the branch, once it has left the tree
     for token in alternative.tokens:
@@ -112,21 +119,31 @@ def _insert(policy: RequestPolicy, nodes: list[_Node], alternative: Draft) -> No
         parent, parent_score = len(nodes) - 1, score
 
 
-def _best_prefix(
-    policy: RequestPolicy, nodes: list[_Node], chain_len: int, extra: list[int], load: StepLoad
-) -> list[int]:
-    """The best-scoring branch nodes worth their rows: the prefix of ``extra`` (best first)
-    with the highest expected rate, none if the chain alone is best."""
+def branch_key(alternative: Draft) -> str:
+    """The estimate a branch is judged by: a lookup match's n-gram bucket, or the draft
+    model's runner-ups (``branch@model``), which are no n-gram match."""
+    if alternative.source == MODEL_SOURCE:
+        return f"{BRANCH_SOURCE}@model"
+    return estimate_key(BRANCH_SOURCE, max(alternative.match_ngram, 1))
+
+
+def _best_count(policy: RequestPolicy, nodes: list[_Node], order: list[int], load: StepLoad) -> int:
+    """How many nodes of ``order`` (best first) to verify: the count with the highest
+    expected committed tokens per second of the step's forward, each path beyond the
+    first paying its own attention (``CostModel.tree_forward_seconds``)."""
     assert policy.cost is not None
-    expected = load.committed + 1.0 + sum(node.score for node in nodes[:chain_len])
-    best_rate = expected / policy.cost.forward_seconds(load.tokens + 1 + chain_len)
-    best = 0
-    for count, index in enumerate(extra, start=1):
+    expected, best, best_rate = load.committed + 1.0, 1, 0.0
+    paths, parents_with_a_child = 1, set()
+    for count, index in enumerate(order, start=1):
         expected += nodes[index].score
-        rate = expected / policy.cost.forward_seconds(load.tokens + 1 + chain_len + count)
+        parent = nodes[index].parent
+        if parent in parents_with_a_child:
+            paths += 1  # a second child starts a path; a first one extends its parent's
+        parents_with_a_child.add(parent)
+        rate = expected / policy.cost.tree_forward_seconds(load.tokens + 1 + count, paths)
         if rate > best_rate:
             best, best_rate = count, rate
-    return extra[:best]
+    return best
 
 
 def _preorder(chain: Draft, nodes: list[_Node], kept: set[int]) -> Draft:

@@ -111,12 +111,27 @@ def test_the_serving_benchmark_replays_one_trace_per_rate_for_every_mode(tmp_pat
     assert trace == bench_serve.arrival_trace(4.0, 30.0, ["a", "b"], seed=1)  # the same arrivals per mode
     assert 80 < len(trace) < 160 and all(later > earlier for (earlier, _), (later, _) in itertools.pairwise(trace))
     json_path = tmp_path / "serve.json"
-    args = ["--rate", "3", "--duration", "1.5", "--max-tokens", "6", "--mode", "off", "--mode", "auto"]
-    assert bench_serve.main([*args, "--dtype", "float32", "--json", str(json_path)]) == 0
+    args = ["--rate", "3", "--duration", "1.5", "--max-tokens", "6", "--mode", "off", "--mode", "tree"]
+    mix = ["--mix", "rag_branching", "--mix", "agent_repeat"]
+    assert bench_serve.main([*args, *mix, "--dtype", "float32", "--json", str(json_path)]) == 0
     rows = json.loads(json_path.read_text())["results"]
-    assert [row["speculation"] for row in rows] == ["off", "auto"]
+    assert [row["speculation"] for row in rows] == ["off", "tree"]
     assert rows[0]["requests"] == rows[1]["requests"] > 0 and all(row["failed"] == 0 for row in rows)
     assert all(row["output_tokens_per_s"] > 0 and row["ttft_p50_s"] <= row["ttft_p99_s"] for row in rows)
     assert rows[0]["draft_acceptance"] is None  # nothing drafted with speculation off
     assert 0 < rows[0]["committed_per_target_call"] <= 1.0  # off: at most one token a call
     assert all(0 <= row["max_kv_cache_usage"] <= 1 for row in rows)
+
+
+def test_the_serving_benchmark_sends_a_users_earlier_questions_and_asks_for_trees() -> None:
+    from specrag.evals.bench import serve as bench_serve
+
+    earlier = bench_serve.earlier_bodies(["rag_quote", "agent_repeat"], 16, "tree", "bench:tree:1")
+    assert len(earlier) == len(workloads.load("agent_repeat").earlier_questions) > 0
+    assert all(body["user"] == "bench:tree:1" for body in earlier)
+    bodies = bench_serve.request_bodies(["rag_quote", "agent_repeat"], 16, "tree", "bench:tree:1")
+    assert "user" not in bodies["rag_quote"] and bodies["agent_repeat"]["user"] == "bench:tree:1"
+    assert bodies["agent_repeat"]["messages"] not in [body["messages"] for body in earlier]
+    assert all(body["speculation"] == "auto" and body["draft_tree_nodes"] > 0 for body in bodies.values())
+    chains = bench_serve.request_bodies(["rag_quote"], 16, "auto")["rag_quote"]
+    assert chains["speculation"] == "auto" and chains["draft_tree_nodes"] == 0

@@ -70,6 +70,24 @@ def test_cost_model_interpolates_and_follows_observations() -> None:
     assert cost.forward_seconds(1) == pytest.approx(0.5, rel=1e-3)
 
 
+def test_a_tree_forward_costs_its_paths_and_teaches_only_the_path_cost() -> None:
+    rows = {1: 1.0, 16: 1.2}
+    calls: list[tuple[int, int]] = []
+
+    def tree_forward(tokens: int, paths: int) -> float:
+        calls.append((tokens, paths))
+        return rows[tokens] + 0.1 * (paths - 1)
+
+    cost = CostModel.measure(lambda tokens: rows[tokens], counts=(1, 16), tree_forward=tree_forward)
+    assert calls and cost.tree_path_seconds == pytest.approx(0.1)
+    assert cost.tree_forward_seconds(16, 1) == cost.forward_seconds(16) == pytest.approx(1.2)
+    assert cost.tree_forward_seconds(16, 4) == pytest.approx(1.5)
+    cost.decay = 0.5
+    cost.observe_tree_forward(16, 3, 1.2 + 2 * 0.3)  # paths got dearer: 0.3 each
+    assert cost.tree_path_seconds == pytest.approx(0.2) and cost.forward_seconds(16) == pytest.approx(1.2)
+    assert CostModel.measure(lambda tokens: rows[tokens], counts=(1, 16)).tree_path_seconds == 0.0
+
+
 def make_policy(mode: str = "auto", supported: bool = True, **config: object) -> RequestPolicy:
     return RequestPolicy(mode, 4, PolicyConfig(**config), CostModel(COSTS, 0.1, 0.01), supported)  # type: ignore[arg-type]
 

@@ -159,6 +159,23 @@ def test_speculation_on_and_off_give_identical_answers(client: TestClient[Any]) 
     assert chat_on["speculation"]["drafted_tokens"] > 0 and chat_off["speculation"]["drafted_tokens"] == 0
 
 
+VERSIONS = (
+    "v1: the loader opens the file, reads the header and checks the magic number. "
+    "v2: the loader opens the file, reads the index and checks the version field. "
+    "v3: the loader opens the file, reads the footer and checks the checksum. "
+    "Repeat v2 word for word."
+)
+
+
+def test_a_chat_completion_asks_for_draft_trees_and_gets_the_same_answer(client: TestClient[Any]) -> None:
+    chat = {"messages": [{"role": "user", "content": VERSIONS}], "max_tokens": 24, "temperature": 0}
+    chains = client.post("/v1/chat/completions", json={**chat, "speculation": "on", "draft_tree_nodes": 0}).json()
+    trees = client.post("/v1/chat/completions", json={**chat, "speculation": "on", "draft_tree_nodes": 16}).json()
+    assert trees["choices"][0]["message"]["content"] == chains["choices"][0]["message"]["content"]
+    assert chains["speculation"]["tree_cycles"] == 0 and trees["speculation"]["tree_cycles"] > 0
+    assert_error(client.post("/v1/chat/completions", json={**chat, "draft_tree_nodes": 65}), 400, "draft_tree_nodes")
+
+
 def test_an_agent_run_naming_a_user_keeps_its_answer_for_that_user_only(client: TestClient[Any], agent: Agent) -> None:
     history = agent.engine.history
     before = history.tokens_held("user:carol")

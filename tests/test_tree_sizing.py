@@ -52,8 +52,24 @@ def test_cheap_verification_grows_the_tree_and_dear_verification_keeps_the_chain
     assert cheap.first_path().tokens == [3, 4, 5]
     dear = grow_tree(policy(1.0), draft.truncated(3), draft.alternatives, 16)
     assert dear.parents is None and dear.tokens == [3, 4, 5]
+    paths_dear = policy(0.001)
+    assert paths_dear.cost is not None
+    paths_dear.cost.tree_path_seconds = 1.0  # rows are cheap, but each path's attention is not
+    assert grow_tree(paths_dear, draft.truncated(3), draft.alternatives, 16).parents is None
     on = grow_tree(policy(1.0, mode="on"), draft.truncated(3), draft.alternatives, 5)
     assert on.parents == [-1, 0, 1, -1, -1]  # "on": the best branch nodes up to the node limit
+
+
+def test_where_the_node_limit_binds_a_better_branch_takes_the_chains_deepest_node() -> None:
+    chain = Draft([1, 2, 3, 4, 5, 6, 7, 8], None, "passage:0", 4)
+    fork = Draft([1, 9, 10], None, "passage:1", 4)  # a peer that parts from the chain after one token
+    # chain nodes score 0.8, then 0.8 * 0.8 / 2 at the fork and x0.8 each after; the branch
+    # node under the first gets min(1 - 0.4, b = 0.3) of 0.8 = 0.24, above the chain's 0.084 at depth 8
+    tree = grow_tree(policy(0.001), chain, [fork], 8)
+    assert len(tree.tokens) == 8 and tree.first_path().tokens == chain.tokens[:7]
+    assert tree.parents is not None and tree.parents[tree.tokens.index(9)] == 0
+    assert sorted(tree.tokens) == [1, 2, 3, 4, 5, 6, 7, 9]
+    assert grow_tree(policy(0.001), chain, [fork], 16).first_path().tokens == chain.tokens  # room for both
 
 
 def test_a_branch_that_keeps_failing_stops_being_grown() -> None:

@@ -23,8 +23,9 @@ class Draft:
     depth-first preorder, ``parents[i]`` is node i's parent (-1: a child of the pending
     token), the first root-to-leaf path is the chain ``source`` proposed, and
     ``node_sources`` names each node's source. Trees are deterministic (``probs`` None).
-    ``alternatives``: other chains a free drafter found, from which the policy may grow a
-    tree (``decoding/tree_sizing.py``)."""
+    ``alternatives``: other chains the drafter found (prompt lookup's other matches, the
+    draft model's runner-ups), from which the policy may grow a tree
+    (``decoding/tree_sizing.py``)."""
 
     tokens: list[int]
     probs: torch.Tensor | None

@@ -4,6 +4,12 @@ The drafter keeps its own KV cache. Each proposal first feeds the committed toke
 has not seen (the corrected or bonus token of the last cycle, or the whole prompt the
 first time), then decodes γ tokens one at a time, keeping the distribution q each was
 drawn from. On commit, its cache is cropped back to the committed prefix.
+
+With ``branches`` > 0 a greedy proposal also carries the draft model's runner-up tokens as
+alternatives for a draft tree (``Draft.alternatives``, ``decoding/tree_sizing.py``): at the
+positions where the second-best token is likeliest under q, the chain up to there plus that
+token. They cost no forward (the logits are at hand) and, one token each, no draft KV.
+Sampled drafts stay chains: the tree's sampling rule is for deterministic drafts.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class ModelDrafter:
         logits_processor: Callable[[Sequence[int], torch.Tensor], torch.Tensor] | None = None,
         prefix_cache: PrefixCache | None = None,
         kv: SequenceKV | None = None,
+        branches: int = 0,
     ) -> None:
         self.model = model
         self.sampling = sampling
@@ -40,6 +47,8 @@ class ModelDrafter:
         self.logits_processor = logits_processor
         self.prefix_cache = prefix_cache
         self.kv = kv if kv is not None else model.new_kv()  # the engine's are paged in its draft pool
+        self.branches = branches if sampling.greedy else 0
+        self._proposed: list[int] = []
         self._context_len = 0
         self._fed_drafts = 0
         self._proposal_open = False
@@ -68,11 +77,14 @@ class ModelDrafter:
         self._proposal_open = True
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
+        runners_up: list[tuple[float, int, int]] = []  # (q of the second-best token, position, token)
         for position in range(max_tokens):
             if self.logits_processor is not None:
                 logits = self.logits_processor([*context, *tokens], logits)
             if self.sampling.greedy:
                 token = int(logits.argmax())
+                if self.branches:
+                    runners_up.append(_runner_up(logits, position))
             else:
                 q = probs_from_logits(logits, self.sampling)
                 token = int(sample(q, self.generator))
@@ -81,13 +93,25 @@ class ModelDrafter:
             if position + 1 < max_tokens:
                 logits = yield self.kv, [token]
                 self._fed_drafts += 1
-        return Draft(tokens, torch.stack(rows) if rows else None, SOURCE)
+        self._proposed = tokens
+        return Draft(
+            tokens, torch.stack(rows) if rows else None, SOURCE, alternatives=self._alternatives(tokens, runners_up)
+        )
+
+    def _alternatives(self, tokens: list[int], runners_up: list[tuple[float, int, int]]) -> list[Draft]:
+        """The chain to each of the likeliest runner-up tokens, plus that token."""
+        best = sorted((entry for entry in runners_up if entry[0] > 0.0), reverse=True)[: self.branches]
+        return [Draft([*tokens[:position], token], None, SOURCE) for _, position, token in best]
 
     def on_commit(self, committed: Sequence[int], accepted_len: int) -> None:
         if not self._proposal_open:
             return  # a plain step: the cache still holds a prefix of the committed tokens
-        # Keep the context and the drafts that were accepted; later drafts were rejected.
-        self.kv.crop(self._context_len + min(accepted_len, self._fed_drafts))
+        # Keep the context and the drafts the accepted path shares with this proposal (a
+        # tree's path may leave it at a branch); later drafts were not committed.
+        shared = 0
+        while shared < min(accepted_len, len(self._proposed)) and committed[shared] == self._proposed[shared]:
+            shared += 1
+        self.kv.crop(self._context_len + min(shared, self._fed_drafts))
         self._proposal_open = False
 
     def _catch_up(self, context: Sequence[int]) -> Generator[tuple[SequenceKV, list[int]], torch.Tensor, torch.Tensor]:
@@ -105,3 +129,12 @@ class ModelDrafter:
         """Debug check: the cache holds a prefix of ``context`` and nothing else."""
         held = self.kv.token_ids
         return held == list(context[: len(held)]) and self.kv.cached_length() == len(held)
+
+
+def _runner_up(logits: torch.Tensor, position: int) -> tuple[float, int, int]:
+    """(q of the second-best token, ``position``, that token); q 0 where it is masked out."""
+    top = torch.topk(logits.float(), 2)
+    if not torch.isfinite(top.values[1]):
+        return 0.0, position, int(top.indices[1])
+    q = torch.softmax(logits.float(), dim=-1)[top.indices[1]]
+    return float(q), position, int(top.indices[1])

@@ -8,7 +8,12 @@ are streamed chat completions (``/v1/chat/completions``, ``stream_options.includ
 from a mix of the decoding workloads (passages shown in the prompt, so prompt lookup has
 something to copy). For each rate one arrival trace is drawn (seeded exponential gaps for
 ``--duration`` seconds, each arrival's workload drawn from the mix) and replayed for every
-speculation mode (``off``, ``on``, ``auto``), modes interleaved rate by rate. Reported per
+speculation mode (``off``, ``on``, ``auto``, and ``tree``: auto with draft trees of up
+to 16 nodes, the request's ``draft_tree_nodes``), modes interleaved rate by rate. A
+workload with earlier questions (``agent_repeat``) is one end user's traffic: each rate and
+mode gets a user of its own (OpenAI's ``user``, the drafting tenant), whose earlier
+questions are answered first, untimed; its timed arrivals may then copy those answers and
+each other's, as one user's repeated agent runs do. Reported per
 rate and mode: output tok/s and requests/s over the makespan, TTFT p50/p99, TPOT (a
 request's time per output token after its first) p50/p99, ITL (gaps between streamed
 chunks, as vLLM's benchmark counts them) p50/p99, SLO goodput (requests/s that met both
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import random
@@ -34,9 +40,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from specrag.evals import workloads
-from specrag.evals.bench.runs import machine, write_outputs
+from specrag.evals.bench.runs import TREE_NODES, machine, write_outputs
 
-MODES = ("off", "on", "auto")
+MODES = ("off", "on", "auto", "tree")
 MIX = ("rag_quote", "rag_explain", "code_edit", "chat_open")
 
 
@@ -173,19 +179,47 @@ async def _measure(url: str, trace: list[tuple[float, str]], bodies: dict[str, d
     return outcomes, peaks.peaks
 
 
-def request_bodies(mix: list[str], max_tokens: int, mode: str) -> dict[str, dict[str, Any]]:
+def request_bodies(mix: list[str], max_tokens: int, mode: str, user: str | None = None) -> dict[str, dict[str, Any]]:
+    """The request of each workload in ``mix`` under ``mode``; a workload with earlier
+    questions is sent as ``user``."""
     bodies = {}
     for name in mix:
         workload = workloads.load(name)
-        bodies[name] = {
-            "messages": workload.messages(workload.passages()),
-            "max_tokens": min(max_tokens, workload.max_tokens),
-            "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "speculation": mode,
-        }
+        bodies[name] = _body(workload, max_tokens, mode, user if workload.earlier_questions else None)
     return bodies
+
+
+def earlier_bodies(mix: list[str], max_tokens: int, mode: str, user: str) -> list[dict[str, Any]]:
+    """The earlier questions of the workloads in ``mix``, in order, each as ``user``."""
+    bodies = []
+    for name in mix:
+        workload = workloads.load(name)
+        for question in workload.earlier_questions:
+            earlier = dataclasses.replace(workload, question=question, earlier_questions=())
+            bodies.append(_body(earlier, max_tokens, mode, user))
+    return bodies
+
+
+def _body(workload: workloads.Workload, max_tokens: int, mode: str, user: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "messages": workload.messages(workload.passages()),
+        "max_tokens": min(max_tokens, workload.max_tokens),
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "speculation": "auto" if mode == "tree" else mode,
+        "draft_tree_nodes": TREE_NODES if mode == "tree" else 0,
+    }
+    if user is not None:
+        body["user"] = user
+    return body
+
+
+async def answer_in_order(url: str, bodies: list[dict[str, Any]]) -> None:
+    """Send ``bodies`` one after another (a user's earlier requests), untimed."""
+    async with httpx.AsyncClient(base_url=url, timeout=None) as client:
+        for body in bodies:
+            await _one_request(client, body, Outcome("earlier", time.perf_counter()))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -201,8 +235,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for rate in args.rate:
             trace = arrival_trace(rate, args.duration, args.mix, args.seed)
             for mode in args.mode:
+                user = f"bench:{mode}:{rate:g}"  # one end user per rate and mode: no history shared
+                asyncio.run(answer_in_order(url, earlier_bodies(args.mix, args.max_tokens, mode, user)))
                 before = scrape(url)
-                outcomes, peaks = asyncio.run(_measure(url, trace, request_bodies(args.mix, args.max_tokens, mode)))
+                bodies = request_bodies(args.mix, args.max_tokens, mode, user)
+                outcomes, peaks = asyncio.run(_measure(url, trace, bodies))
                 after = scrape(url)
                 delta = {name: after.get(name, 0) - before.get(name, 0) for name in after}
                 drafted = delta.get("specrag:spec_decode_num_draft_tokens_total", 0)

@@ -49,7 +49,7 @@ MUTATIONS = (
     Mutation(
         "draft_kv_not_rolled_back",
         "decoding/drafters/model_drafter.py",
-        "self.kv.crop(self._context_len + min(accepted_len, self._fed_drafts))",
+        "self.kv.crop(self._context_len + min(shared, self._fed_drafts))",
         "pass",
         ("tests/test_kv_rollback.py",),
     ),
@@ -381,6 +381,20 @@ MUTATIONS = (
         "            fork = base.fork()\n",
         "            fork = base if parent < 0 else base.fork()\n",
         ("tests/test_grammar_tree.py",),
+    ),
+    Mutation(
+        "tree_paths_cost_nothing",
+        "decoding/tree_sizing.py",
+        "            paths += 1  # a second child starts a path; a first one extends its parent's\n",
+        "            pass\n",
+        ("tests/test_tree_sizing.py",),
+    ),
+    Mutation(
+        "model_drafter_keeps_drafts_off_the_accepted_path",
+        "decoding/drafters/model_drafter.py",
+        "        self.kv.crop(self._context_len + min(shared, self._fed_drafts))\n",
+        "        self.kv.crop(self._context_len + min(accepted_len, self._fed_drafts))\n",
+        ("tests/test_tree_model_branches.py",),
     ),
 )
 
