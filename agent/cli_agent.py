@@ -23,7 +23,8 @@ class StartupError(Exception):
     """The command cannot start as asked (a user module, a factory's result)."""
 
 
-def _agent(args: argparse.Namespace, concurrent: bool, progress: bool) -> Any:
+def build_agent(args: argparse.Namespace, concurrent: bool, progress: bool) -> Any:
+    """The agent ``serve`` and ``ask`` run (and each Ray Serve replica); StartupError if it cannot start."""
     from specrag.agent.runtime import Agent
     from specrag.agent.trace import Tracer, TraceStore
     from specrag.agent.trace_otel import export_from_env
@@ -40,7 +41,13 @@ def _agent(args: argparse.Namespace, concurrent: bool, progress: bool) -> Any:
     index = None if args.no_index else args.index or ensure_sample_index(args.model, progress=progress)
     options: dict[str, Any] = {"max_in_flight": args.max_in_flight} if concurrent else {}
     trace_log = getattr(args, "trace_log", None) or os.environ.get("SPECRAG_TRACE_LOG")
-    tracer = Tracer(store=TraceStore(jsonl_path=Path(trace_log) if trace_log else None, export=export_from_env()))
+    trace_dir = getattr(args, "trace_dir", None)
+    store = TraceStore(
+        jsonl_path=Path(trace_log) if trace_log else None,
+        export=export_from_env(),
+        shared_dir=Path(trace_dir) if trace_dir else None,
+    )
+    tracer = Tracer(store=store)
     model = {"model": args.model, "draft": args.draft, "dtype": args.dtype}
     return Agent(tools=user_tools, index=index, concurrent=concurrent, tracer=tracer, **model, **options)
 
@@ -62,7 +69,7 @@ def _agent_from_factory(spec: str, factory: Any, concurrent: bool) -> Any:
 def _started(args: argparse.Namespace, concurrent: bool, progress: bool) -> Any:
     """The agent, or None after saying on stderr why it cannot start."""
     try:
-        return _agent(args, concurrent=concurrent, progress=progress)
+        return build_agent(args, concurrent=concurrent, progress=progress)
     except StartupError as error:
         print(f"specrag {args.command}: {error}", file=sys.stderr)
         return None
@@ -71,6 +78,8 @@ def _started(args: argparse.Namespace, concurrent: bool, progress: bool) -> Any:
 def _serve(args: argparse.Namespace) -> int:
     from specrag.agent.server import serve
 
+    if _on_ray(args):
+        return _serve_on_ray(args)
     agent = _started(args, concurrent=True, progress=True)
     if agent is None:
         return 2
@@ -81,6 +90,27 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         agent.close()
     return 0
+
+
+def _on_ray(args: argparse.Namespace) -> bool:
+    return args.replicas is not None or args.max_replicas is not None
+
+
+def _serve_on_ray(args: argparse.Namespace) -> int:
+    try:
+        from specrag.agent import ray_serve
+    except ImportError as error:
+        print(f"specrag serve: --replicas needs Ray Serve: pip install 'specrag[ray]' ({error})", file=sys.stderr)
+        return 2
+    if args.app is None:
+        try:  # a bad --tools spec fails here, in a second, not in every replica
+            from specrag.tools.loading import ToolLoadError, load_all
+
+            load_all(args.tools)
+        except ToolLoadError as error:
+            print(f"specrag serve: {error}", file=sys.stderr)
+            return 2
+    return ray_serve.run(args)
 
 
 def _ask(args: argparse.Namespace) -> int:
@@ -133,38 +163,57 @@ def _timing_table(stages: dict[str, float], trace: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def add_agent_commands(commands: Any) -> None:
-    def model_options(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--model", default="qwen2.5-coder-0.5b", help="pack name, HF folder or .gguf path")
-        parser.add_argument("--draft", default=None, help="draft model (pack, folder, .gguf), same vocabulary")
-        parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-        parser.add_argument("--index", default=None, help="index directory (default: the sample corpus, built once)")
-        parser.add_argument("--no-index", action="store_true", help="no documents: the tools only, no search")
-        parser.add_argument(
-            "--tools",
-            action="append",
-            default=[],
-            metavar="MODULE:ATTR",
-            help="your tools: a @tool function, a list of them, a ToolRegistry, or a module (repeatable)",
-        )
-        parser.add_argument(
-            "--app",
-            default=None,
-            metavar="MODULE:FACTORY",
-            help="a function returning your Agent (the model and index options are then its own)",
-        )
+def _model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b", help="pack name, HF folder or .gguf path")
+    parser.add_argument("--draft", default=None, help="draft model (pack, folder, .gguf), same vocabulary")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    parser.add_argument("--index", default=None, help="index directory (default: the sample corpus, built once)")
+    parser.add_argument("--no-index", action="store_true", help="no documents: the tools only, no search")
+    parser.add_argument(
+        "--tools",
+        action="append",
+        default=[],
+        metavar="MODULE:ATTR",
+        help="your tools: a @tool function, a list of them, a ToolRegistry, or a module (repeatable)",
+    )
+    parser.add_argument(
+        "--app",
+        default=None,
+        metavar="MODULE:FACTORY",
+        help="a function returning your Agent (the model and index options are then its own)",
+    )
 
-    serve = commands.add_parser("serve", help="serve the HTTP API (OpenAI-compatible chat, agent runs, metrics)")
+
+def _serve_options(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    model_options(serve)
+    _model_options(serve)
     serve.add_argument("--max-in-flight", type=int, default=32, help="generations waiting or running; then 503")
     serve.add_argument("--trace-log", help="also append every finished trace as a JSON line to this file")
+    ray = serve.add_argument_group("Ray Serve (docs/deployment.md); any of these runs the API on Ray")
+    ray.add_argument("--replicas", type=int, default=None, help="replicas, each with its own engine (initial ones)")
+    ray.add_argument("--min-replicas", type=int, default=None, help="autoscaling: the fewest replicas")
+    ray.add_argument("--max-replicas", type=int, default=None, help="autoscaling: the most replicas")
+    ray.add_argument("--target-ongoing-requests", type=float, default=4.0, help="autoscaling: requests per replica")
+    ray.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each replica")
+    ray.add_argument("--trace-dir", default=None, help="the replicas' shared traces (~/.cache/specrag/traces/ray)")
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """``specrag serve``'s options alone (Ray Serve's app builder parses its arguments with it)."""
+    parser = argparse.ArgumentParser(prog="specrag serve")
+    _serve_options(parser)
+    return parser
+
+
+def add_agent_commands(commands: Any) -> None:
+    serve = commands.add_parser("serve", help="serve the HTTP API (OpenAI-compatible chat, agent runs, metrics)")
+    _serve_options(serve)
     serve.set_defaults(handler=_serve)
 
     ask = commands.add_parser("ask", help="answer one question with the agent, with citations and stage timings")
     ask.add_argument("question")
-    model_options(ask)
+    _model_options(ask)
     ask.add_argument("--speculation", choices=["auto", "on", "off"], default="auto")
     ask.add_argument("--max-tokens", type=int, default=256)
     ask.add_argument("--max-steps", type=int, default=None)

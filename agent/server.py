@@ -40,9 +40,18 @@ from specrag.agent.routes_traces import TraceController
 from specrag.agent.served import AgentDep, MetricsDep, ServedAgent, StartedDep
 
 
-@get("/healthz", summary="Liveness (no auth)")
-async def healthz(agent: AgentDep) -> dict[str, Any]:
-    return {"status": "ok", "model": agent.model.name}
+@get("/healthz", summary="Liveness (no auth)", sync_to_thread=True)  # may load a new index version
+def healthz(agent: AgentDep) -> dict[str, Any]:
+    return {"status": "ok", "model": agent.model.name, "index": _index_status(getattr(agent, "retriever", None))}
+
+
+def _index_status(retriever: Any) -> dict[str, Any] | None:
+    """The index version this process searches, after checking for a newer one (replicas
+    sharing an index directory switch on their own; this is where one can watch them)."""
+    if retriever is None or not hasattr(retriever, "refresh"):
+        return None
+    retriever.refresh()
+    return {"version": retriever.index.version, "passages": len(retriever)}
 
 
 @get("/v1/models", summary="The served model (OpenAI list shape)", responses=GET_ERRORS)

@@ -4,7 +4,7 @@ This module owns the trace of one agent run: the span tree the agent loop builds
 names: ``invoke_agent specrag`` at the root, ``retrieval {index}``, ``prompt_build``,
 ``chat {model}`` with ``prefill`` and ``decode`` children, ``execute_tool {name}``), its JSON
 form (``GET /v1/traces/{trace_id}``, drawn by ``agent/trace_view.py``), the LRU of recent
-traces with an optional JSONL log, and the re-creation of a trace as OpenTelemetry spans (``agent/trace_otel.py``).
+traces (``agent/trace_store.py``), and the re-creation of a trace as OpenTelemetry spans (``agent/trace_otel.py``).
 
 Clock: every timestamp is ``time.monotonic_ns()`` (the engine's clock too; never wall time,
 so NTP steps cannot make durations negative); durations are derived from start/end. Each
@@ -27,18 +27,16 @@ by id without an exporter. The recorder is small; the export goes through the re
 from __future__ import annotations
 
 import contextvars
-import json
 import logging
 import secrets
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Literal
 
+from specrag.agent.trace_store import TraceStore
 from specrag.decoding.stats import CYCLE_STAGES
 
 logger = logging.getLogger(__name__)
@@ -349,64 +347,3 @@ class Tracer:
 
     def start_trace(self, name: str = ROOT_SPAN_NAME, attributes: Mapping[str, Any] | None = None) -> Trace:
         return Trace(name, attributes, capture_content=self.capture_content, store=self.store)
-
-
-class TraceStore:
-    """The last ``max_traces`` finished traces as dicts (LRU), optionally appended to a JSONL file."""
-
-    def __init__(
-        self,
-        max_traces: int = 1000,
-        jsonl_path: Path | None = None,
-        export: Callable[[dict[str, Any]], None] | None = None,
-    ) -> None:
-        if max_traces < 1:
-            raise ValueError("max_traces must be at least 1")
-        self.max_traces = max_traces
-        self.jsonl_path = jsonl_path
-        self.export = export  # e.g. agent/trace_otel.py's OtlpExport, given every finished trace
-        self._traces: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def add(self, trace: Trace | Mapping[str, Any]) -> None:
-        data = trace.to_dict() if isinstance(trace, Trace) else dict(trace)
-        with self._lock:
-            self._traces[data["trace_id"]] = data
-            self._traces.move_to_end(data["trace_id"])
-            while len(self._traces) > self.max_traces:
-                self._traces.popitem(last=False)
-        if self.jsonl_path is not None:
-            self._append(self.jsonl_path, data)
-        if self.export is not None:
-            try:
-                self.export(data)
-            except Exception as exc:  # an exporter's failure must never fail the run it traces
-                logger.warning("could not export trace %s: %s", data.get("trace_id"), exc)
-
-    def _append(self, path: Path, data: Mapping[str, Any]) -> None:
-        # Losing a trace line must never fail the request that produced it.
-        try:
-            line = json.dumps(data, separators=(",", ":"), default=str)
-            with self._lock, path.open("a", encoding="utf-8") as f:
-                f.write(line + "\n")
-                f.flush()
-        except (OSError, TypeError, ValueError) as exc:
-            logger.warning("could not append trace %s to %s: %s", data.get("trace_id"), path, exc)
-
-    def get(self, trace_id: str) -> dict[str, Any] | None:
-        with self._lock:
-            data = self._traces.get(trace_id)
-            if data is not None:
-                self._traces.move_to_end(trace_id)
-            return data
-
-    def snapshot(self) -> list[dict[str, Any]]:
-        """Every kept trace, without touching their recency."""
-        with self._lock:
-            return list(self._traces.values())
-
-    def __len__(self) -> int:
-        return len(self._traces)
-
-    def __contains__(self, trace_id: object) -> bool:
-        return trace_id in self._traces

@@ -57,6 +57,10 @@ class EngineWorker:
     def in_flight(self) -> int:
         return self._in_flight
 
+    def alive(self) -> bool:
+        """Whether the engine thread still runs (Ray Serve's health check asks)."""
+        return self._thread.is_alive()
+
     def generate(self, request: GenerationRequest) -> Iterator[GenerationEvent]:
         """Submit and stream the request's events; leaving early cancels it."""
         handle = self._submit(request)

@@ -7,7 +7,9 @@ descending, ties by chunk id) and per-query timings for the agent's ``retrieval`
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,7 +23,9 @@ from specrag.retrieval.lexical import LexicalIndex, reciprocal_rank_fusion
 from specrag.retrieval.store import IndexLoadError, IndexVersion
 
 HYBRID_CANDIDATES = 50  # per ranking fed to the fusion: deep enough that RRF can promote a lexical hit
+FOLLOW_INTERVAL_S = 1.0  # how often a search checks CURRENT for a newly published version
 _TIE_MARGIN = 16  # extra dense results fetched so that ties at the k-th score are ordered by id
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -50,12 +54,50 @@ class Retriever:
 
     # Hybrid by default: on the labelled sample-corpus questions (python -m specrag.evals.bench.retrieval)
     # fusing BM25 raised recall@1 from 0.81 to 0.90 and MRR@10 from 0.89 to 0.94, recall@5 equal.
-    def __init__(self, index: IndexVersion, embedder: EmbedderLike, hybrid: bool = True) -> None:
-        self.index = index
+    def __init__(self, index: IndexVersion, embedder: EmbedderLike, hybrid: bool = True, follow: bool = True) -> None:
         self.embedder = embedder
         self.hybrid = hybrid
         self.last_timings: SearchTimings | None = None  # of the latest search; not per-thread
-        self._lexical: LexicalIndex | None = None
+        # follow: switch to the version a rebuild publishes (CURRENT), checked at most every
+        # FOLLOW_INTERVAL_S, so replicas sharing one index directory pick up a rebuild without a
+        # restart. A search holds one _Live from start to end, so a switch never mixes versions.
+        self.follow = follow
+        self._live = _Live(index)
+        self._checked_at = time.monotonic()
+        self._switch_lock = threading.Lock()
+        self._last_failure = ""
+
+    @property
+    def index(self) -> IndexVersion:
+        """The version searches use now."""
+        return self._live.index
+
+    def refresh(self) -> bool:
+        """Load the version CURRENT names if it is not the one in use; True if it switched.
+
+        A version that fails to load leaves the one in use (the failure is logged): the next
+        check tries again, and searches go on meanwhile.
+        """
+        with self._switch_lock:
+            self._checked_at = time.monotonic()
+            live = self._live.index
+            if store.current_or_none(live.root) in (None, live.version):
+                return False
+            try:
+                index = store.load_index(live.root, model_name=self.embedder.model_name, dim=self.embedder.dim)
+            except IndexLoadError as error:
+                if str(error) != self._last_failure:  # once per failure, not once a second
+                    logger.warning("index %s: keeping version %s: %s", live.root, live.version, error)
+                    self._last_failure = str(error)
+                return False
+            self._live = _Live(index)
+            logger.info("index %s: switched from version %s to %s", live.root, live.version, index.version)
+            return True
+
+    def _current(self) -> _Live:
+        if self.follow and time.monotonic() - self._checked_at >= FOLLOW_INTERVAL_S:
+            self.refresh()
+        return self._live
 
     @classmethod
     def open(
@@ -66,6 +108,7 @@ class Retriever:
         hybrid: bool = True,
         verify: bool = True,
         warm: bool = True,
+        follow: bool = True,
     ) -> Retriever:
         """Load the live version of ``index_dir``, refusing one built with another embedding model.
 
@@ -76,7 +119,7 @@ class Retriever:
         index = store.load_index(index_dir, model_name=embedder.model_name, dim=embedder.dim, verify=verify)
         if warm:
             embedder.encode(["warm-up"])
-        return cls(index, embedder, hybrid=hybrid)
+        return cls(index, embedder, hybrid=hybrid, follow=follow)
 
     @property
     def name(self) -> str:
@@ -84,7 +127,7 @@ class Retriever:
         return self.index.root.resolve().name
 
     def __len__(self) -> int:
-        return len(self.index.chunks)
+        return len(self._live.index.chunks)
 
     def search(self, query: str, k: int = 5) -> list[Passage]:
         passages, _ = self.search_with_timings(query, k)
@@ -96,19 +139,28 @@ class Retriever:
         if k < 1:
             raise ValueError(f"k must be at least 1, not {k}")
         hybrid = self.hybrid if hybrid is None else hybrid
+        live = self._current()
         started = time.perf_counter()
         vector = self.embedder.encode([query])[0]
         embedded = time.perf_counter()
-        dense = self._dense(vector, max(k, HYBRID_CANDIDATES) if hybrid else k)
+        dense = live.dense(vector, max(k, HYBRID_CANDIDATES) if hybrid else k)
         searched = time.perf_counter()
-        ranked = self._fuse(query, dense, k) if hybrid else dense[:k]
+        ranked = live.fuse(query, dense, k) if hybrid else dense[:k]
         timings = SearchTimings(
             embedded - started, searched - embedded, time.perf_counter() - searched if hybrid else 0.0
         )
         self.last_timings = timings
-        return [self._passage(row, score, rank) for rank, (row, score) in enumerate(ranked, start=1)], timings
+        return [live.passage(row, score, rank) for rank, (row, score) in enumerate(ranked, start=1)], timings
 
-    def _dense(self, vector: np.ndarray, n: int) -> list[tuple[int, float]]:
+
+class _Live:
+    """One loaded version and its BM25 index (built on first hybrid search): what a search reads."""
+
+    def __init__(self, index: IndexVersion) -> None:
+        self.index = index
+        self._lexical: LexicalIndex | None = None
+
+    def dense(self, vector: np.ndarray, n: int) -> list[tuple[int, float]]:
         """The n best (row, score), score descending and ties by chunk id."""
         total = self.index.index.ntotal
         fetch = min(total, n + _TIE_MARGIN)
@@ -133,7 +185,7 @@ class Retriever:
         kept = [(int(row), float(score)) for row, score in zip(rows[0], scores[0], strict=True) if row >= 0]
         return [row for row, _ in kept], [score for _, score in kept]
 
-    def _fuse(self, query: str, dense: list[tuple[int, float]], k: int) -> list[tuple[int, float]]:
+    def fuse(self, query: str, dense: list[tuple[int, float]], k: int) -> list[tuple[int, float]]:
         if self._lexical is None:
             self._lexical = LexicalIndex([chunk.text for chunk in self.index.chunks])
         lexical = self._lexical.top(query, max(k, HYBRID_CANDIDATES))
@@ -141,7 +193,7 @@ class Retriever:
         ordered = sorted(fused.items(), key=lambda item: (-item[1], self.index.chunks[item[0]].id))
         return ordered[:k]
 
-    def _passage(self, row: int, score: float, rank: int) -> Passage:
+    def passage(self, row: int, score: float, rank: int) -> Passage:
         chunk = self.index.chunks[row]
         return Passage(chunk.id, score, chunk.source, chunk.text, chunk.start, chunk.end, rank)
 

@@ -8,6 +8,11 @@
   needs a target T in the Makefile; ``curl`` is sent for real to the live server.
   Any other program fails the check, so a new kind of command needs a rule here first.
 - ```text blocks are shown, not run (outputs, diagrams, signatures); ```json blocks must parse.
+- ```yaml blocks must parse; a Ray Serve config (``applications``), alone or as a KubeRay
+  RayService's ``serveConfigV2``, must pass Serve's own schema, and each application's
+  ``import_path`` and ``args`` must be what ``serve run`` would import and parse. In shell
+  blocks ``serve run MODULE:ATTR key=value`` is checked the same way, and ``ray CMD`` like
+  ``specrag`` (its ``--help`` lists every option used).
 - Any other fence, an unlabelled one included, fails.
 
 The planted tests at the end show that each rule fails when its block is wrong.
@@ -39,6 +44,7 @@ RUN = frozenset({"python"})
 CHECK = frozenset({"sh", "bash"})
 SHOWN = frozenset({"text"})
 PARSED = frozenset({"json"})
+YAML = frozenset({"yaml"})
 # The host the examples address; the tests send those requests to their own live server.
 EXAMPLE_HOST = "127.0.0.1:8000"
 # A fence, at any indentation (blocks inside list items), up to the same fence closing it.
@@ -84,9 +90,9 @@ def unique(blocks: list[Block]) -> list[Block]:
 
 def fence_problems(blocks: list[Block]) -> list[str]:
     return [
-        f"{block.where}: fence {block.lang or '(none)'!r} has no rule (use python, sh, bash, text or json)"
+        f"{block.where}: fence {block.lang or '(none)'!r} has no rule (use python, sh, bash, text, json or yaml)"
         for block in blocks
-        if block.lang not in RUN | CHECK | SHOWN | PARSED
+        if block.lang not in RUN | CHECK | SHOWN | PARSED | YAML
     ]
 
 
@@ -149,6 +155,11 @@ def check_shell_block(block: Block, server: Callable[[], str]) -> list[str]:
             problems += [f"{block.where}: no Makefile target {t!r}" for t in args if t not in makefile_targets()]
         elif program == "curl":
             problems += run_curl(block.where, args, server())
+        elif program == "ray":
+            problems += check_help(block.where, [str(Path(sys.executable).with_name("ray"))], args)
+        elif program == "serve" and args[:1] == ["run"] and len(args) > 1:
+            arguments = dict(arg.split("=", 1) for arg in args[2:] if "=" in arg)
+            problems += check_serve_app(block.where, args[1], arguments)
         else:
             problems.append(f"{block.where}: no rule for `{argv[0]}` (add one in tests/test_docs.py, or use ```text)")
     return problems
@@ -166,6 +177,44 @@ def run_curl(where: str, args: list[str], url: str) -> list[str]:
     except json.JSONDecodeError:
         return [f"{where}: {shlex.join(argv)} did not answer JSON: {result.stdout[:300]}"]
     return []
+
+
+def check_serve_app(where: str, import_path: str, arguments: dict[str, object]) -> list[str]:
+    """What ``serve run`` does first: import the builder and parse its arguments (specrag's
+    builder parses them as ``specrag serve`` options); nothing is deployed."""
+    import importlib
+
+    module, _, attribute = import_path.partition(":")
+    try:
+        builder = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError, ValueError) as error:
+        return [f"{where}: cannot import {import_path!r}: {error}"]
+    if builder.__module__ == "specrag.agent.ray_serve":
+        from specrag.agent.cli_agent import serve_parser
+
+        argv = [f"--{key.replace('_', '-')}={value}" for key, value in arguments.items()]
+        try:
+            serve_parser().parse_args(argv)
+        except SystemExit:
+            return [f"{where}: {import_path} does not take {arguments}"]
+    return []
+
+
+def check_yaml_block(block: Block) -> list[str]:
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    documents = [document for document in yaml.safe_load_all(block.body) if document is not None]
+    configs = [document for document in documents if "applications" in document]
+    for document in documents:
+        if document.get("kind") == "RayService":
+            configs.append(yaml.safe_load(document["spec"]["serveConfigV2"]))
+    problems = []
+    for config in configs:
+        schema = ServeDeploySchema.model_validate(config)
+        for app in schema.applications:
+            problems += check_serve_app(block.where, app.import_path, dict(app.args or {}))
+    return problems
 
 
 BLOCKS = all_blocks()
@@ -212,6 +261,20 @@ def test_json_examples_parse() -> None:
     for block in BLOCKS:
         if block.lang in PARSED:
             json.loads(block.body)
+
+
+def test_yaml_examples_parse_and_serve_configs_hold() -> None:
+    assert any(block.lang in YAML for block in BLOCKS)
+    assert [problem for block in BLOCKS if block.lang in YAML for problem in check_yaml_block(block)] == []
+
+
+def test_a_serve_config_naming_a_missing_builder_or_option_fails() -> None:
+    config = "applications:\n- name: a\n  import_path: specrag.agent.ray_serve:no_such_builder\n"
+    problems = check_yaml_block(Block(ROOT / "planted.md", 1, "yaml", config))
+    assert len(problems) == 1 and "cannot import" in problems[0]
+    bad_args = "applications:\n- name: a\n  import_path: specrag.agent.ray_serve:app_builder\n  args: {replicaz: 2}\n"
+    problems = check_yaml_block(Block(ROOT / "planted.md", 1, "yaml", bad_args))
+    assert len(problems) == 1 and "does not take" in problems[0]
 
 
 # -- the rule fails where it should: planted blocks ------------------------------------

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from unittest import mock
 
 import pytest
@@ -77,6 +78,22 @@ def batched_pair_counts(
     return counts, errors
 
 
+def sampled_request(
+    seed: int, grammar: Grammar | None = None, lookup_sources: Sequence[Sequence[int]] = ()
+) -> GenerationRequest:
+    """One seeded request of the sampled-distribution tests: PROMPT, 4 tokens, speculation on."""
+    return GenerationRequest(
+        PROMPT,
+        max_tokens=4,
+        speculation="on",
+        num_speculative_tokens=2,
+        stop_token_ids=[],
+        sampling=SamplingParams(temperature=1.0, top_k=5, seed=seed),
+        lookup_sources=lookup_sources,
+        grammar=grammar,
+    )
+
+
 def sampled_second_and_third_token(grammar: Grammar | None = None) -> torch.Tensor:
     """RUNS seeded requests, BATCH at a time in one engine, so they share packed steps
     (target and draft forwards alike): the distribution is checked on batched steps."""
@@ -89,24 +106,13 @@ def sampled_second_and_third_token(grammar: Grammar | None = None) -> torch.Tens
         widest = max(widest, len(chunks))
         return real(lm, chunks)
 
-    def request_for(seed: int) -> GenerationRequest:
-        return GenerationRequest(
-            PROMPT,
-            max_tokens=4,
-            speculation="on",
-            num_speculative_tokens=2,
-            stop_token_ids=[],
-            sampling=SamplingParams(temperature=1.0, top_k=5, seed=seed),
-            grammar=grammar,
-        )
-
     def on_finish(stats: GenerationStats) -> None:
         nonlocal speculated, rejections
         speculated += stats.drafted_tokens > 0
         rejections += stats.wasted_verify_tokens > 0
 
     with packing(TARGET, DRAFT), mock.patch.object(step_driver, "packed_forward", counted):
-        counts, _ = batched_pair_counts(engine, request_for, on_finish)
+        counts, _ = batched_pair_counts(engine, partial(sampled_request, grammar=grammar), on_finish)
     assert widest == BATCH  # every sequence of a batch in one forward
     assert speculated > RUNS // 2 and rejections > RUNS // 10  # drafts verified, residual path taken
     return counts
@@ -210,24 +216,14 @@ def sampled_with_trees(
     engine = Engine(TARGET, min_ngram=1, max_ngram=2, policy=PolicyConfig(tree_nodes=8))
     trees = branch_wins = 0
 
-    def request_for(seed: int) -> GenerationRequest:
-        return GenerationRequest(
-            PROMPT,
-            max_tokens=4,
-            speculation="on",
-            num_speculative_tokens=2,
-            stop_token_ids=[],
-            sampling=SamplingParams(temperature=1.0, top_k=5, seed=seed),
-            lookup_sources=FORKS if grammar is None else ITEM_FORKS,
-            grammar=grammar,
-        )
-
     def on_finish(stats: GenerationStats) -> None:
         nonlocal trees, branch_wins
         trees += stats.tree_cycles > 0
         branch_wins += stats.branch_accepted_tokens > 0
 
     with packing(TARGET):
+        sources = FORKS if grammar is None else ITEM_FORKS
+        request_for = partial(sampled_request, grammar=grammar, lookup_sources=sources)
         counts, errors = batched_pair_counts(engine, request_for, on_finish, allow_errors)
     return counts, trees, branch_wins, errors
 

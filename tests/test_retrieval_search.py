@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 
 import pytest
 
-from specrag.retrieval import Document, Passage, Retriever, build_index
+from specrag.retrieval import Corpus, Document, Passage, Retriever, build_index
 from specrag.tools.builtin import search_documents_tool
-from tests.retrieval_helpers import chunker, sample_index, shared_embedder
+from tests.retrieval_helpers import chunker, sample_index, sample_subset, shared_embedder
 
 pytestmark = pytest.mark.slow  # the real MiniLM model embeds the sample topics once per session
 
@@ -112,3 +113,21 @@ def test_an_empty_index_answers_nothing(tmp_path: Path) -> None:
 
 def test_hybrid_is_the_default(retriever: Retriever) -> None:
     assert Retriever(retriever.index, retriever.embedder).hybrid
+
+
+def test_a_retriever_follows_a_rebuild_of_its_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replicas sharing one index directory switch to a new version without a restart, and
+    keep the one they have when CURRENT names a version that does not load."""
+    built, _ = sample_index(tmp_path.parent)
+    root = tmp_path / "index"
+    shutil.copytree(built, root)
+    retriever = Retriever.open(root, shared_embedder(), hybrid=False)
+    assert retriever.refresh() is False and retriever.index.version == "00000001"
+    quokkas = Document.from_text("notes/quokkas.md", "# Quokkas\n\nQuokkas are small marsupials of Rottnest Island.")
+    build_index(root, Corpus([*sample_subset().documents, quokkas]), shared_embedder(), chunker())
+    monkeypatch.setattr("specrag.retrieval.retriever.FOLLOW_INTERVAL_S", 0.0)  # check on every search
+    assert retriever.search("small marsupials of Rottnest Island", k=1)[0].source == "notes/quokkas.md"
+    assert retriever.index.version == "00000002"
+    (root / "CURRENT").write_text("00000099\n")  # a version that is not there
+    assert retriever.refresh() is False and retriever.index.version == "00000002"
+    assert retriever.search("small marsupials of Rottnest Island", k=1)[0].source == "notes/quokkas.md"

@@ -5,12 +5,14 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import re
 import sys
 import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -380,3 +382,29 @@ def test_a_cycle_records_every_engine_cycle_stage_and_nothing_else() -> None:
 
     stage_fields = [field.name for field in fields(SpeculationCycle) if field.name.endswith("_s")]
     assert stage_fields == ["duration_s", *(f"{name}_s" for name in CYCLE_STAGES)]
+
+
+def test_replicas_sharing_a_trace_directory_answer_for_each_other(tmp_path: Path) -> None:
+    first, second = TraceStore(shared_dir=tmp_path), TraceStore(shared_dir=tmp_path)
+    trace = finished_trace(first)
+    assert second.get(trace["trace_id"]) == trace and trace["trace_id"] not in second
+    assert [data["trace_id"] for data in second.snapshot()] == [trace["trace_id"]]
+    assert second.get("../" + trace["trace_id"]) is None and second.get("0" * 32) is None
+
+
+def test_the_shared_trace_directory_keeps_the_newest(tmp_path: Path) -> None:
+    store = TraceStore(max_traces=2, shared_dir=tmp_path)
+    ids = [finished_trace(store)["trace_id"] for _ in range(3)]
+    for age, trace_id in enumerate(ids):  # written within one clock tick, maybe: order them
+        os.utime(tmp_path / f"{trace_id}.json", ns=(age * 10**9, age * 10**9))
+    store.shared.prune()  # type: ignore[union-attr]
+    assert sorted(path.stem for path in tmp_path.glob("*.json")) == sorted(ids[1:])
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def finished_trace(store: TraceStore) -> dict[str, Any]:
+    trace = Tracer(store=store).start_trace()
+    trace.finish()
+    data = store.get(trace.trace_id)
+    assert data is not None
+    return data

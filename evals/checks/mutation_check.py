@@ -396,6 +396,34 @@ MUTATIONS = (
         "        self.kv.crop(self._context_len + min(accepted_len, self._fed_drafts))\n",
         ("tests/test_tree_model_branches.py",),
     ),
+    Mutation(
+        "ray_routing_text_ignores_the_conversation",
+        "agent/asgi_forward.py",
+        'return head + "".join(_message_text(message) for message in messages if _role(message) == "user")',
+        "return head",
+        ("tests/test_asgi_forward.py",),
+    ),
+    Mutation(
+        "replica_death_is_not_retryable",
+        "agent/ray_serve.py",
+        "_RETRYABLE = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, BackPressureError)",
+        "_RETRYABLE = (BackPressureError,)",
+        ("tests/test_ray_serve.py::test_a_replica_killed_under_load_loses_no_request_silently",),
+    ),
+    Mutation(
+        "retriever_never_follows_a_rebuild",
+        "retrieval/retriever.py",
+        "if self.follow and time.monotonic() - self._checked_at >= FOLLOW_INTERVAL_S:",
+        "if False:",
+        ("tests/test_retrieval_search.py::test_a_retriever_follows_a_rebuild_of_its_directory",),
+    ),
+    Mutation(
+        "shared_traces_are_not_read",
+        "agent/trace_store.py",
+        "return self.shared.read(trace_id) if self.shared is not None else None",
+        "return None",
+        ("tests/test_trace.py",),
+    ),
 )
 
 

@@ -1,0 +1,230 @@
+"""specrag on a real local Ray instance: two smollm2 replicas behind Ray Serve's HTTP proxy.
+
+The official ``openai`` client and the agent endpoint through the proxy; errors, auth and
+health as in one process; a conversation kept on one replica by Ray's prefix-aware router;
+traces answered by any replica; an index rebuild picked up by both replicas without a
+failed request; one replica killed under load, with every request's outcome counted.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import shutil
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import ray
+from ray import serve
+
+from specrag.agent.ray_serve import APP_NAME, ReplicaSpec, Scaling, application
+from specrag.retrieval import Corpus, Document, build_index
+from tests.retrieval_helpers import chunker, sample_index, sample_subset, shared_embedder
+from tests.server_helpers import assert_error, wait_until
+
+pytestmark = pytest.mark.slow
+
+KEY = "ray-test-key"
+MODEL = "smollm2-135m"
+REPLICA = "x-specrag-replica"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def index_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the sample subset's index that the rebuild test may publish a version into."""
+    built, _ = sample_index(tmp_path_factory.getbasetemp())
+    root = tmp_path_factory.mktemp("ray") / "index"
+    shutil.copytree(built, root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def url(index_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    ray.init(num_cpus=2, include_dashboard=False, namespace="specrag-tests", log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    spec = ReplicaSpec(
+        model=MODEL,
+        index=str(index_root),
+        dtype="float32",
+        max_in_flight=8,
+        trace_dir=str(tmp_path_factory.mktemp("traces")),
+        api_key=KEY,
+        calibrate=False,
+    )
+    serve.run(application(spec, Scaling(replicas=2)), name=APP_NAME, route_prefix="/")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def chat(url: str, messages: list[dict[str, str]], **fields: Any) -> httpx.Response:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 0, **fields}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, headers=auth(), timeout=120)
+
+
+def test_the_openai_client_through_the_proxy(url: str) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    messages: Any = [{"role": "user", "content": "Name a colour."}]
+    completion = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    assert completion.choices[0].message.content and completion.usage is not None
+    assert completion.usage.completion_tokens == 6
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == completion.choices[0].message.content  # greedy, on whichever replica
+    assert [model.id for model in client.models.list()] == [MODEL]
+
+
+def test_the_agent_endpoint_json_and_sse(url: str) -> None:
+    body = {"question": "What does the with statement do?", "max_tokens": 12, "stream": False}
+    response = httpx.post(f"{url}/v1/agent/runs", json=body, headers=auth(), timeout=120)
+    assert response.status_code == 200, response.text
+    run = response.json()
+    assert run["answer"] and run["passages"] and response.headers[REPLICA]
+    events = []
+    with httpx.stream("POST", f"{url}/v1/agent/runs", json=body | {"stream": True}, headers=auth(), timeout=120) as sse:
+        assert sse.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("event: ") :] for line in sse.iter_lines() if line.startswith("event: ")]
+    assert events[-1] == "final" and "token" in events
+    trace_ids = {run["trace_id"]}
+    for _ in range(6):  # any replica answers for any trace (the shared trace directory)
+        trace = httpx.get(f"{url}/v1/traces/{run['trace_id']}", headers=auth(), timeout=30)
+        assert trace.status_code == 200 and trace.json()["trace_id"] in trace_ids
+
+
+def test_errors_auth_and_health_as_in_one_process(url: str) -> None:
+    assert_error(chat(url, [{"role": "user", "content": "hi"}], max_tokens=-1), 400, "max_tokens")
+    response = httpx.post(f"{url}/v1/agent/runs", json={"question": ""}, headers=auth(), timeout=30)
+    assert_error(response, 400, "question")
+    missing = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": []}, timeout=30)
+    assert_error(missing, 401)
+    health = httpx.get(f"{url}/healthz", timeout=30)  # no key needed
+    assert health.status_code == 200 and health.json()["model"] == MODEL
+    assert httpx.get(f"{url}/metrics", headers=auth(), timeout=30).status_code == 200
+
+
+def test_a_conversation_stays_on_its_replica(url: str) -> None:
+    """Ray's prefix-aware router: each later turn extends the earlier ones' text, so it goes
+    where their cached blocks are; a conversation sharing no prefix with any earlier one goes
+    to the replica holding the least text."""
+    homes = []
+    for topic in ("Rivers", "Tea", "Chess", "Opera"):  # no two share a first letter
+        messages = [{"role": "user", "content": f"{topic}: tell me one fact, in detail please."}]
+        replicas = set()
+        for turn in range(3):
+            response = chat(url, messages)
+            assert response.status_code == 200, response.text
+            replicas.add(response.headers[REPLICA])
+            answer = response.json()["choices"][0]["message"]["content"]
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"And {turn}?"}]
+        assert len(replicas) == 1, (topic, replicas)
+        homes.append(replicas.pop())
+    assert len(set(homes)) == 2, homes  # both replicas took conversations
+
+
+def replicas_seen_at(url: str, version: str) -> set[str]:
+    """The replicas whose /healthz reports ``version`` (health checks go by load, so a few
+    calls reach both)."""
+    seen = set()
+    for _ in range(12):
+        response = httpx.get(f"{url}/healthz", timeout=30)
+        assert response.status_code == 200, response.text
+        if response.json()["index"]["version"] == version:
+            seen.add(response.headers[REPLICA])
+    return seen
+
+
+def test_an_index_rebuild_reaches_both_replicas_without_a_failed_request(url: str, index_root: Path) -> None:
+    documents = [
+        *sample_subset().documents,
+        Document.from_text("notes/ray.md", "# Quokkas\n\nQuokkas live on Rottnest."),
+    ]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        questions = [f"Where do quokkas live? ({n})" for n in range(4)]
+        body = {"max_tokens": 4, "stream": False}
+        runs = [
+            pool.submit(httpx.post, f"{url}/v1/agent/runs", json=body | {"question": q}, headers=auth(), timeout=120)
+            for q in questions
+        ]
+        report = build_index(index_root, Corpus(documents), shared_embedder(), chunker())
+        assert report.written and report.version == "00000002"
+        statuses = [run.result().status_code for run in runs]
+    assert statuses == [200] * 4  # the switch failed no request in flight
+    assert wait_until(lambda: len(replicas_seen_at(url, "00000002")) == 2, timeout=60, interval=1)
+    response = httpx.post(
+        f"{url}/v1/agent/runs", json=body | {"question": "Where do quokkas live?"}, headers=auth(), timeout=120
+    )
+    assert "notes/ray.md" in {passage["source"] for passage in response.json()["passages"]}
+
+
+def stream_outcome(url: str, n: int, started: list[str]) -> tuple[str | None, str]:
+    """One streamed chat: (the replica it started on, if it did; "ok" if it finished,
+    "retryable" if it failed with the retryable error, before or during the stream).
+    Anything else is returned as it came, to be seen in the assertion."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": f"Count to fifty slowly ({n})."}]}
+    body |= {"max_tokens": 48, "temperature": 0, "stream": True, "speculation": "off"}
+    replica = None
+    try:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=auth(), timeout=180) as response:
+            if response.status_code == 503:
+                error = json.loads(response.read())["error"]
+                return None, "retryable" if error["retryable"] and response.headers["retry-after"] else str(error)
+            if response.status_code != 200:
+                return None, f"status {response.status_code}"
+            replica = response.headers[REPLICA]
+            started.append(replica)
+            lines = [line for line in response.iter_lines() if line]
+    except httpx.HTTPError as error:
+        return replica, f"transport: {error!r}"
+    if lines[-1:] != ["data: [DONE]"]:
+        return replica, f"cut: {lines[-2:]}"
+    last = json.loads(lines[-2][len("data: ") :])
+    if "error" in last:  # the replica died mid-stream: the error, as a chat stream reports one
+        return replica, "retryable" if last["error"]["retryable"] else str(last)
+    return replica, "ok"
+
+
+def replica_actor(unique_id: str) -> Any:
+    names = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)]
+    (name,) = [name for name in names if name.endswith(f"#{unique_id}") and "SpecragReplica" in name]
+    return ray.get_actor(name, namespace="serve")
+
+
+def running_replicas() -> int:
+    status = serve.status().applications[APP_NAME].deployments["SpecragReplica"]
+    return int(status.replica_states.get("RUNNING", 0))
+
+
+def test_a_replica_killed_under_load_loses_no_request_silently(url: str) -> None:
+    started: list[str] = []
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outcomes = [pool.submit(stream_outcome, url, n, started) for n in range(8)]
+        assert wait_until(lambda: len(started) >= 4, timeout=120, interval=0.05)
+        victim = started[0]
+        ray.kill(replica_actor(victim), no_restart=False)
+        results = [outcome.result() for outcome in outcomes]
+    assert len(results) == 8
+    assert {outcome for _, outcome in results} <= {"ok", "retryable"}, results  # none lost silently
+    assert "ok" in {outcome for replica, outcome in results if replica != victim}, results  # the other finished
+    assert all(outcome == "ok" for replica, outcome in results if replica not in (None, victim)), results
+    assert any(outcome == "retryable" for replica, outcome in results if replica == victim), results
+    assert wait_until(lambda: running_replicas() == 2, timeout=180, interval=1)  # Ray restarted it
+    response = chat(url, [{"role": "user", "content": "Still there?"}])
+    assert response.status_code == 200, response.text
