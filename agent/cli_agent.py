@@ -38,6 +38,11 @@ def build_agent(args: argparse.Namespace, concurrent: bool, progress: bool) -> A
         user_tools = load_all(args.tools)  # before any model loads: a bad module fails in a second
     except ToolLoadError as error:
         raise StartupError(str(error)) from error
+    engine_url = getattr(args, "engine_url", None)
+    if engine_url and args.index is None and not args.no_index:
+        raise StartupError(
+            "--engine-url needs --index DIR (or --no-index): the sample index is built with a local pack"
+        )
     index = None if args.no_index else args.index or ensure_sample_index(args.model, progress=progress)
     options: dict[str, Any] = {"max_in_flight": args.max_in_flight} if concurrent else {}
     trace_log = getattr(args, "trace_log", None) or os.environ.get("SPECRAG_TRACE_LOG")
@@ -48,6 +53,11 @@ def build_agent(args: argparse.Namespace, concurrent: bool, progress: bool) -> A
         shared_dir=Path(trace_dir) if trace_dir else None,
     )
     tracer = Tracer(store=store)
+    if engine_url:
+        from specrag.agent.remote import RemoteAgent
+
+        key = getattr(args, "engine_api_key", None) or os.environ.get("SPECRAG_ENGINE_API_KEY") or None
+        return RemoteAgent(engine_url, args.model, tools=user_tools, index=index, api_key=key, tracer=tracer)
     model = {"model": args.model, "draft": args.draft, "dtype": args.dtype}
     return Agent(tools=user_tools, index=index, concurrent=concurrent, tracer=tracer, **model, **options)
 
@@ -84,7 +94,8 @@ def _serve(args: argparse.Namespace) -> int:
     if agent is None:
         return 2
     # Measure the speculation cost model now (seconds), not inside the first request's TTFT.
-    agent.engine.calibrate()
+    if hasattr(agent.engine, "calibrate"):  # a remote engine measures nothing here
+        agent.engine.calibrate()
     try:
         serve(agent, host=args.host, port=args.port)
     finally:
@@ -110,6 +121,9 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
         except ToolLoadError as error:
             print(f"specrag serve: {error}", file=sys.stderr)
             return 2
+    if args.engine_url and args.index is None and not args.no_index:
+        print("specrag serve: --engine-url needs --index DIR or --no-index", file=sys.stderr)
+        return 2
     return ray_serve.run(args)
 
 
@@ -190,6 +204,12 @@ def _serve_options(serve: argparse.ArgumentParser) -> None:
     _model_options(serve)
     serve.add_argument("--max-in-flight", type=int, default=32, help="generations waiting or running; then 503")
     serve.add_argument("--trace-log", help="also append every finished trace as a JSON line to this file")
+    serve.add_argument(
+        "--engine-url",
+        default=None,
+        metavar="URL",
+        help="generate through this OpenAI-compatible engine (vLLM, SGLang, specrag); --model names its model",
+    )
     ray = serve.add_argument_group("Ray Serve (docs/deployment.md); any of these runs the API on Ray")
     ray.add_argument("--replicas", type=int, default=None, help="replicas, each with its own engine (initial ones)")
     ray.add_argument("--min-replicas", type=int, default=None, help="autoscaling: the fewest replicas")

@@ -234,7 +234,7 @@ class AgentLoop(FirstStepProbes, AnswerChecks):
                     run.shown.append(known[passage.id])
                 shown.append(known[passage.id])
             looked_up = {passage_id for passage_id, _ in run.lookup}
-            for passage in passages:
+            for passage in passages if self.tokenizer is not None else ():  # None: a remote engine drafts
                 if passage.id not in looked_up:
                     for text in lookup_texts(passage.text):
                         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]

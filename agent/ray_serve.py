@@ -85,6 +85,8 @@ class ReplicaSpec:
     trace_dir: str | None = None  # shared by the replicas; None: each keeps its own traces
     api_key: str | None = None
     calibrate: bool = True  # measure the speculation cost model before taking requests
+    engine_url: str | None = None  # generate through this OpenAI-compatible engine (agent/remote.py)
+    engine_api_key: str | None = None
 
     def namespace(self) -> argparse.Namespace:
         """The fields ``cli_agent.build_agent`` reads, as ``specrag serve`` parses them."""
@@ -99,6 +101,8 @@ class ReplicaSpec:
             max_in_flight=self.max_in_flight,
             trace_log=None,
             trace_dir=self.trace_dir,
+            engine_url=self.engine_url,
+            engine_api_key=self.engine_api_key,
         )
 
 
@@ -111,7 +115,7 @@ class SpecragReplica:
 
         replica = ReplicaSpec(**spec)
         self.agent = build_agent(replica.namespace(), concurrent=True, progress=False)
-        if replica.calibrate:
+        if replica.calibrate and hasattr(self.agent.engine, "calibrate"):  # not a remote engine
             self.agent.engine.calibrate()
         self.app = create_app(self.agent, api_key=replica.api_key)
         self.replica_id = serve.get_replica_context().replica_id.unique_id.encode()
@@ -262,6 +266,8 @@ def replica_spec(args: argparse.Namespace) -> ReplicaSpec:
     """``specrag serve``'s parsed options as a replica builds them (the sample index resolved)."""
     from specrag.agent.sample_index import ensure_sample_index
 
+    if args.engine_url and args.index is None and not args.no_index:
+        raise ValueError("--engine-url needs --index DIR or --no-index (the sample index needs a local pack)")
     index = None if args.no_index else args.index or str(ensure_sample_index(args.model, progress=True))
     trace_dir = args.trace_dir or str(Path("~/.cache/specrag/traces/ray").expanduser())
     return ReplicaSpec(
@@ -274,6 +280,8 @@ def replica_spec(args: argparse.Namespace) -> ReplicaSpec:
         max_in_flight=args.max_in_flight,
         trace_dir=trace_dir,
         api_key=os.environ.get("SPECRAG_API_KEY") or None,
+        engine_url=args.engine_url,
+        engine_api_key=os.environ.get("SPECRAG_ENGINE_API_KEY") or None,
     )
 
 

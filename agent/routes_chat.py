@@ -30,6 +30,10 @@ class ChatController(Controller):
         self, agent: AgentDep, limits: LimitsDep, metrics: MetricsDep, data: JSONBody[ChatCompletionRequest]
     ) -> Response[Any]:
         received = time.perf_counter()
+        if agent.model.tokenizer is None:  # generation is the engine's behind --engine-url
+            raise ApiError(
+                501, "this server generates through --engine-url; send chat completions there", type="not_implemented"
+            )
         plan = await anyio.to_thread.run_sync(plan_chat, agent, data, limits)
         run = ChatRun(agent, plan, metrics, received)
         try:

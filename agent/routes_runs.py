@@ -23,6 +23,7 @@ from specrag.agent.errors import POST_ERRORS, ApiError, invalid, logger
 from specrag.agent.events import AgentEvent, ErrorEvent, FinalEvent, TokenEvent
 from specrag.agent.loop import default_tools
 from specrag.agent.metrics import ServerMetrics
+from specrag.agent.remote import RemoteEngineError, RemoteOptionUnsupported
 from specrag.agent.run_state import RunOptions
 from specrag.agent.served import AgentDep, LimitsDep, MetricsDep, ServedAgent, iterate_in_thread
 from specrag.agent.worker import QueueFull, WorkerStopped
@@ -76,7 +77,8 @@ def run_options(agent: ServedAgent, body: AgentRunRequest, limits: ServerLimits)
     for name in tools:
         if name not in known:
             raise invalid("tools", f"unknown tool {name!r}; known tools: {', '.join(known) or '(none)'}")
-    question_tokens = len(agent.model.tokenizer(body.question, add_special_tokens=False)["input_ids"])
+    tokenizer = agent.model.tokenizer  # None over a remote engine: the engine checks its context
+    question_tokens = len(tokenizer(body.question, add_special_tokens=False)["input_ids"]) if tokenizer else 0
     if question_tokens > limits.max_prompt_tokens:
         raise invalid(
             "question",
@@ -148,6 +150,10 @@ def _refusal(event: AgentEvent) -> ApiError | None:
         return invalid("max_tokens", str(exception), code="context_length_exceeded")
     if isinstance(exception, OVERLOADED):
         return overloaded(str(exception))
+    if isinstance(exception, RemoteOptionUnsupported):
+        return invalid(exception.field, str(exception))
+    if isinstance(exception, RemoteEngineError):  # the engine behind --engine-url failed
+        return ApiError(502, f"the generation engine failed: {exception}", type="upstream_error")
     return None
 
 

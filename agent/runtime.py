@@ -55,7 +55,7 @@ class Agent:
         self.model = model if isinstance(model, CausalLM) else load_model(model, dtype=dtype)
         self.draft = draft if isinstance(draft, CausalLM) or draft is None else load_model(draft, dtype=dtype)
         self.engine = Engine(self.model, self.draft, prefix_cache=prefix_cache)
-        self.retriever = _open_index(index)
+        self.retriever = open_index(index)
         self.registry = ToolRegistry(tools)
         if self.retriever is not None and search_tool and "search_documents" not in self.registry:
             self.registry.register(search_documents_tool(self.retriever))
@@ -119,7 +119,8 @@ class Agent:
             self.worker.stop()
 
 
-def _open_index(index: str | os.PathLike[str] | Any) -> Any:
+def open_index(index: str | os.PathLike[str] | Any) -> Any:
+    """A Retriever over ``index`` (a directory), ``index`` itself if it searches already, or None."""
     if index is None or hasattr(index, "search_with_timings"):
         return index
     from specrag.retrieval import Retriever

@@ -424,6 +424,13 @@ MUTATIONS = (
         "return None",
         ("tests/test_trace.py",),
     ),
+    Mutation(
+        "remote_tool_results_lose_their_call",
+        "agent/remote.py",
+        '"tool_call_id": pending.pop(0) if pending else ""',
+        '"tool_call_id": ""',
+        ("tests/test_remote_engine.py",),
+    ),
 )
 
 
