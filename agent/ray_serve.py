@@ -83,10 +83,10 @@ class ReplicaSpec:
     app: str | None = None  # ``--app module:factory``
     max_in_flight: int = 32
     trace_dir: str | None = None  # shared by the replicas; None: each keeps its own traces
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # never in a log line
     calibrate: bool = True  # measure the speculation cost model before taking requests
     engine_url: str | None = None  # generate through this OpenAI-compatible engine (agent/remote.py)
-    engine_api_key: str | None = None
+    engine_api_key: str | None = field(default=None, repr=False)
 
     def namespace(self) -> argparse.Namespace:
         """The fields ``cli_agent.build_agent`` reads, as ``specrag serve`` parses them."""
@@ -257,9 +257,20 @@ def app_builder(args: dict[str, str]) -> Any:
     files: the keys are ``specrag serve``'s options without dashes (``replicas=2 model=...``)."""
     from specrag.agent.cli_agent import serve_parser
 
-    argv = [f"--{key.replace('_', '-')}={value}" for key, value in args.items()]
-    parsed = serve_parser().parse_args(argv)
+    parsed = serve_parser().parse_args(builder_argv(args))
     return application(replica_spec(parsed), scaling_of(parsed))
+
+
+def builder_argv(args: dict[str, Any]) -> list[str]:
+    """``key=value`` arguments as ``specrag serve`` options; a flag is ``key=true`` (or false)."""
+    argv = []
+    for key, value in args.items():
+        option = f"--{key.replace('_', '-')}"
+        if isinstance(value, bool) or str(value).lower() in ("true", "false"):
+            argv += [option] if str(value).lower() == "true" else []
+        else:
+            argv.append(f"{option}={value}")
+    return argv
 
 
 def replica_spec(args: argparse.Namespace) -> ReplicaSpec:

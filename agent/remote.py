@@ -19,6 +19,7 @@ Speculation, prompt lookup and the prefix cache are the engine's business there.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -262,7 +263,8 @@ class RemoteModel:
 
 
 class RemoteAgent:
-    """``Agent``'s API (``run``, ``stream``, ``trace``) over a remote engine.
+    """``Agent``'s API (``run``, ``stream``, ``trace``) over a remote engine; ``api_key``
+    defaults to ``$SPECRAG_ENGINE_API_KEY``.
 
     agent = RemoteAgent("http://gpu-box:8000", "Qwen/Qwen2.5-Coder-1.5B-Instruct", tools=[...], index=...)
     """
@@ -287,7 +289,8 @@ class RemoteAgent:
         from specrag.tools import ToolRegistry, search_documents_tool
 
         self.model = RemoteModel(model)
-        self.engine = RemoteEngine(engine_url, model, api_key=api_key)
+        key = api_key if api_key is not None else os.environ.get("SPECRAG_ENGINE_API_KEY") or None
+        self.engine = RemoteEngine(engine_url, model, api_key=key)
         self.retriever = open_index(index)
         self.registry = ToolRegistry(tools)
         if self.retriever is not None and search_tool and "search_documents" not in self.registry:

@@ -191,10 +191,10 @@ def check_serve_app(where: str, import_path: str, arguments: dict[str, object]) 
         return [f"{where}: cannot import {import_path!r}: {error}"]
     if builder.__module__ == "specrag.agent.ray_serve":
         from specrag.agent.cli_agent import serve_parser
+        from specrag.agent.ray_serve import builder_argv
 
-        argv = [f"--{key.replace('_', '-')}={value}" for key, value in arguments.items()]
         try:
-            serve_parser().parse_args(argv)
+            serve_parser().parse_args(builder_argv(arguments))
         except SystemExit:
             return [f"{where}: {import_path} does not take {arguments}"]
     return []

@@ -22,7 +22,8 @@ import pytest
 import ray
 from ray import serve
 
-from specrag.agent.ray_serve import APP_NAME, ReplicaSpec, Scaling, application
+from specrag.agent.cli_agent import serve_parser
+from specrag.agent.ray_serve import APP_NAME, ReplicaSpec, Scaling, application, builder_argv, scaling_of
 from specrag.retrieval import Corpus, Document, build_index
 from tests.retrieval_helpers import chunker, sample_index, sample_subset, shared_embedder
 from tests.server_helpers import assert_error, wait_until
@@ -69,6 +70,24 @@ def url(index_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def test_autoscaling_and_routing_settings_reach_ray() -> None:
+    options = Scaling(replicas=2, min_replicas=1, max_replicas=4, target_ongoing_requests=3).options(max_in_flight=8)
+    autoscaling = options["autoscaling_config"]
+    assert (autoscaling.min_replicas, autoscaling.initial_replicas, autoscaling.max_replicas) == (1, 2, 4)
+    assert autoscaling.target_ongoing_requests == 3 and "num_replicas" not in options
+    assert options["max_ongoing_requests"] == 8  # Ray queues beyond the replica's own limit
+    assert options["request_router_config"].request_router_kwargs["match_rate_threshold"] == 0.5
+    fixed = Scaling(replicas=3, prefix_routing=False).options(max_in_flight=8)
+    assert fixed["num_replicas"] == 3 and "request_router_config" not in fixed and "autoscaling_config" not in fixed
+
+
+def test_serve_run_arguments_are_specrag_serve_options() -> None:
+    argv = builder_argv({"replicas": 2, "max_replicas": "5", "no_index": "true", "model": MODEL})
+    assert argv == ["--replicas=2", "--max-replicas=5", "--no-index", f"--model={MODEL}"]
+    parsed = serve_parser().parse_args(argv)
+    assert parsed.no_index and scaling_of(parsed).max_replicas == 5
 
 
 def auth() -> dict[str, str]:

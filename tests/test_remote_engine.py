@@ -179,3 +179,18 @@ def test_an_engine_that_fails_is_a_502(tmp_path: Path) -> None:
         agent.close()
     assert_error(response, 502)
     assert "404" in response.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_the_groundedness_eval_runs_over_a_remote_engine(
+    remote: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from specrag.evals.groundedness.run import main
+
+    root = sample_index(tmp_path_factory.getbasetemp())[0]
+    monkeypatch.setenv("SPECRAG_ENGINE_API_KEY", "engine-key")
+    argv = ["--out", str(tmp_path / "report"), "--engine-url", remote, "--model", MODEL, "--index", str(root)]
+    assert main([*argv, "--limit", "2", "--max-tokens", "24", "--no-progress"]) == 0
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert report["config"]["engine_url"] == remote
+    assert len(report["records"]) == 2 and all(record["answer"] for record in report["records"])

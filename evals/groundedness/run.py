@@ -148,6 +148,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="a model pack asked yes/no about each sentence the rules let through (agent/grounding/support_judge.py)",
     )
+    parser.add_argument(
+        "--engine-url",
+        default=None,
+        metavar="URL",
+        help="answer through this OpenAI-compatible engine (--model names its model; --index required)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the summary (and on/off comparison) as JSON")
@@ -186,6 +192,9 @@ def run(args: argparse.Namespace, command: str) -> int:
     items = quick_subset(items) if args.quick else items
     items = per_kind(items, args.per_kind) if args.per_kind else items
     items = items[: args.limit] if args.limit else items
+    if args.engine_url and (args.index is None or args.compare_off):
+        print("eval groundedness: --engine-url needs --index, and cannot --compare-off", file=sys.stderr)
+        return 2
     if args.threads:
         import torch
 
@@ -241,8 +250,12 @@ def _agent(args: argparse.Namespace) -> Any:
     from specrag.agent.runtime import Agent
     from specrag.agent.sample_index import ensure_sample_index
 
-    index = args.index or ensure_sample_index(args.model, progress=not args.no_progress)
     system = SYSTEM_PROMPTS[args.system]
+    if args.engine_url:  # generation there, the agent and the scoring here (agent/remote.py)
+        from specrag.agent.remote import RemoteAgent
+
+        return RemoteAgent(args.engine_url, args.model, index=args.index, system=system)
+    index = args.index or ensure_sample_index(args.model, progress=not args.no_progress)
     return Agent(index=index, model=args.model, draft=args.draft, dtype=args.dtype, system=system)
 
 
@@ -309,6 +322,7 @@ def _report(
 
     config = {
         "model": args.model,
+        "engine_url": args.engine_url,
         "draft": args.draft,
         "dtype": args.dtype,
         "system": args.system,
