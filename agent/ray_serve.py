@@ -54,6 +54,9 @@ REPLICA_HEADER = b"x-specrag-replica"  # which replica answered: for clients' lo
 IMBALANCED_THRESHOLD = 4
 MATCH_RATE_THRESHOLD = 0.5
 RETRY_AFTER_S = 1
+# The ingress only reads and forwards (async, no model): it must never be the bottleneck.
+# Ray's default of 5 ongoing requests per replica would cap the whole deployment at 5.
+INGRESS_MAX_ONGOING = 1024
 # Failures of the replica a request was on (it died, or is being restarted), and Ray's queue
 # limit: the request never completed, so the client may send it again.
 _RETRYABLE = (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, BackPressureError)
@@ -248,7 +251,12 @@ class Scaling:
 def application(spec: ReplicaSpec, scaling: Scaling = Scaling(), max_body_bytes: int = 1_000_000) -> Any:
     """The Ray Serve application: an ingress over ``scaling``'s replicas of ``spec``."""
     replica = serve.deployment(SpecragReplica, name="SpecragReplica", **scaling.options(spec.max_in_flight))
-    ingress = serve.deployment(SpecragIngress, name="SpecragIngress", ray_actor_options={"num_cpus": 0})
+    ingress = serve.deployment(
+        SpecragIngress,
+        name="SpecragIngress",
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=INGRESS_MAX_ONGOING,
+    )
     return ingress.bind(replica.bind(asdict(spec)), max_body_bytes)
 
 

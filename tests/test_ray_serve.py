@@ -33,6 +33,11 @@ pytestmark = pytest.mark.slow
 KEY = "ray-test-key"
 MODEL = "smollm2-135m"
 REPLICA = "x-specrag-replica"
+IN_FLIGHT = 8  # per replica (max_in_flight, Ray's max_ongoing_requests)
+# Waiting at the ingress for a replica beyond those; then 503. Ray counts a request as queued
+# until its router has placed it, so a burst larger than this is refused even with free
+# replicas: the kill test's burst stays below it.
+QUEUED = 8
 
 
 def free_port() -> int:
@@ -59,12 +64,13 @@ def url(index_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         model=MODEL,
         index=str(index_root),
         dtype="float32",
-        max_in_flight=8,
+        max_in_flight=IN_FLIGHT,
         trace_dir=str(tmp_path_factory.mktemp("traces")),
         api_key=KEY,
         calibrate=False,
     )
-    serve.run(application(spec, Scaling(replicas=2)), name=APP_NAME, route_prefix="/")
+    scaling = Scaling(replicas=2, max_queued_requests=QUEUED)
+    serve.run(application(spec, scaling), name=APP_NAME, route_prefix="/")
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -193,11 +199,32 @@ def test_an_index_rebuild_reaches_both_replicas_without_a_failed_request(url: st
     assert "notes/ray.md" in {passage["source"] for passage in response.json()["passages"]}
 
 
-def stream_outcome(url: str, n: int, started: list[str]) -> tuple[str | None, str]:
+def test_beyond_every_replicas_limit_and_rays_queue_a_retryable_503(url: str) -> None:
+    """Two replicas take IN_FLIGHT requests each and Ray queues QUEUED more; the rest are
+    refused at once with the retryable 503, and every request is one or the other."""
+    sent = 2 * IN_FLIGHT + QUEUED + 10
+    body = {"model": MODEL, "max_tokens": 24, "temperature": 0, "speculation": "off"}
+
+    def post(n: int) -> httpx.Response:
+        messages = [{"role": "user", "content": f"Write a long story about lighthouse number {n}."}]
+        return httpx.post(f"{url}/v1/chat/completions", json=body | {"messages": messages}, headers=auth(), timeout=300)
+
+    with concurrent.futures.ThreadPoolExecutor(sent) as pool:
+        responses = list(pool.map(post, range(sent)))
+    statuses = [response.status_code for response in responses]
+    assert set(statuses) == {200, 503}, statuses
+    refused = [response for response in responses if response.status_code == 503]
+    assert len(refused) >= sent - 2 * IN_FLIGHT - QUEUED - 2, statuses  # a request or two may finish first
+    for response in refused:
+        error = assert_error(response, 503)
+        assert error["type"] == "overloaded_error" and error["retryable"] and response.headers["retry-after"] == "1"
+
+
+def stream_outcome(url: str, text: str, started: list[str]) -> tuple[str | None, str]:
     """One streamed chat: (the replica it started on, if it did; "ok" if it finished,
     "retryable" if it failed with the retryable error, before or during the stream).
     Anything else is returned as it came, to be seen in the assertion."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": f"Count to fifty slowly ({n})."}]}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
     body |= {"max_tokens": 48, "temperature": 0, "stream": True, "speculation": "off"}
     replica = None
     try:
@@ -231,19 +258,38 @@ def running_replicas() -> int:
     return int(status.replica_states.get("RUNNING", 0))
 
 
+def one_opening_per_replica(url: str) -> dict[str, str]:
+    """A long opening whose conversation each replica holds. New openings go to the replica
+    holding the least routed text, so a few distinct ones reach both."""
+    homes: dict[str, str] = {}
+    for word in ("Quince", "Walnut", "Yarrow", "Zinnia", "Umber", "Violet", "Xenon", "Kestrel"):
+        opening = f"{word} " * 60  # long: it dominates the routing text of what extends it
+        response = chat(url, [{"role": "user", "content": opening}], max_tokens=1)
+        assert response.status_code == 200, response.text
+        homes.setdefault(response.headers[REPLICA], opening)
+        if len(homes) == 2:
+            return homes
+    raise AssertionError(f"new conversations reached one replica only: {homes}")
+
+
 def test_a_replica_killed_under_load_loses_no_request_silently(url: str) -> None:
+    """Three streams extend a conversation on each replica (so the prefix router keeps them
+    there); one replica is killed while they run. Its requests fail with the retryable
+    error, the other's finish, and Ray restarts it."""
+    homes = one_opening_per_replica(url)
+    victim, survivor = list(homes)
+    texts = [homes[replica] + f"Now count to fifty slowly ({n})." for replica in (victim, survivor) for n in range(3)]
     started: list[str] = []
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        outcomes = [pool.submit(stream_outcome, url, n, started) for n in range(8)]
-        assert wait_until(lambda: len(started) >= 4, timeout=120, interval=0.05)
-        victim = started[0]
+    with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
+        outcomes = [pool.submit(stream_outcome, url, text, started) for text in texts]
+        assert wait_until(lambda: started.count(victim) >= 1 and len(started) >= 4, timeout=120, interval=0.05)
         ray.kill(replica_actor(victim), no_restart=False)
         results = [outcome.result() for outcome in outcomes]
-    assert len(results) == 8
+    assert len(results) == len(texts)
     assert {outcome for _, outcome in results} <= {"ok", "retryable"}, results  # none lost silently
-    assert "ok" in {outcome for replica, outcome in results if replica != victim}, results  # the other finished
-    assert all(outcome == "ok" for replica, outcome in results if replica not in (None, victim)), results
-    assert any(outcome == "retryable" for replica, outcome in results if replica == victim), results
+    assert [outcome for _, outcome in results[3:]] == ["ok"] * 3, results  # the survivor's all finished
+    assert {replica for replica, _ in results[3:]} == {survivor}, results
+    assert any(outcome == "retryable" for replica, outcome in results[:3] if replica == victim), results
     assert wait_until(lambda: running_replicas() == 2, timeout=180, interval=1)  # Ray restarted it
     response = chat(url, [{"role": "user", "content": "Still there?"}])
     assert response.status_code == 200, response.text
