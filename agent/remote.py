@@ -32,6 +32,7 @@ from specrag.agent.loop import AgentLoop, Generated
 from specrag.agent.prompt import build_messages
 from specrag.agent.results import record_chat
 from specrag.agent.run_state import RunOptions, RunState
+from specrag.agent.runtime import AgentRuns, open_index
 from specrag.decoding.stats import GenerationStats
 from specrag.tools import ToolCall
 from specrag.tools.formats import HERMES
@@ -262,7 +263,7 @@ class RemoteModel:
     config: Any = None
 
 
-class RemoteAgent:
+class RemoteAgent(AgentRuns):
     """``Agent``'s API (``run``, ``stream``, ``trace``) over a remote engine; ``api_key``
     defaults to ``$SPECRAG_ENGINE_API_KEY``.
 
@@ -281,7 +282,6 @@ class RemoteAgent:
         tracer: Any = None,
         search_tool: bool = True,
     ) -> None:
-        from specrag.agent.runtime import open_index
         from specrag.agent.tool_gate import ToolRelevance
         from specrag.agent.trace import Tracer, TraceStore
         from specrag.agent.trace_otel import export_from_env
@@ -307,20 +307,6 @@ class RemoteAgent:
             tracer=self.tracer,
             relevance=ToolRelevance(embedder),
         )
-
-    def run(self, question: str, options: RunOptions | None = None, **overrides: Any) -> dict[str, Any]:
-        from specrag.agent.runtime import resolve_options
-
-        return self.loop.run(question, resolve_options(options, overrides))
-
-    def stream(self, question: str, options: RunOptions | None = None, **overrides: Any) -> Iterator[AgentEvent]:
-        from specrag.agent.runtime import resolve_options
-
-        return self.loop.events(question, resolve_options(options, overrides))
-
-    def trace(self, trace_id: str) -> dict[str, Any] | None:
-        store = self.tracer.store
-        return store.get(trace_id) if store is not None else None
 
     def generate(self, request: Any) -> Iterator[Any]:
         raise RemoteOptionUnsupported("token-level generation")

@@ -35,7 +35,31 @@ from specrag.tools.formats import FORMATS, CallFormat
 DEFAULT_MODEL = "qwen2.5-coder-0.5b"
 
 
-class Agent:
+class AgentRuns:
+    """``run``, ``stream`` and ``trace`` over ``self.loop`` and ``self.tracer``: the API that
+    ``Agent`` and the remote-engine agent (``agent/remote.py``) share."""
+
+    loop: AgentLoop
+    tracer: Tracer
+
+    def run(self, question: str, options: RunOptions | None = None, **overrides: Any) -> dict[str, Any]:
+        """Run to the final answer: ``{run_id, answer, citations, steps, usage, speculation, trace_id}``.
+
+        ``options`` (the one ``RunOptions`` type the HTTP API, the CLI and the evals build too),
+        with ``overrides`` of its fields: ``agent.run(q, max_tokens=64)`` or ``agent.run(q, opts)``.
+        """
+        return self.loop.run(question, resolve_options(options, overrides))
+
+    def stream(self, question: str, options: RunOptions | None = None, **overrides: Any) -> Iterator[AgentEvent]:
+        """The run as events: ``token``, ``tool_call``, ``tool_result``, ``final`` or ``error``."""
+        return self.loop.events(question, resolve_options(options, overrides))
+
+    def trace(self, trace_id: str) -> dict[str, Any] | None:
+        store = self.tracer.store
+        return store.get(trace_id) if store is not None else None
+
+
+class Agent(AgentRuns):
     def __init__(
         self,
         tools: Sequence[Tool | Callable[..., Any]] = (),
@@ -80,22 +104,6 @@ class Agent:
     def call_format(self) -> CallFormat:
         """How the model writes tool calls (its chat template's format, or bare JSON)."""
         return self.loop.call_format
-
-    def run(self, question: str, options: RunOptions | None = None, **overrides: Any) -> dict[str, Any]:
-        """Run to the final answer: ``{run_id, answer, citations, steps, usage, speculation, trace_id}``.
-
-        ``options`` (the one ``RunOptions`` type the HTTP API, the CLI and the evals build too),
-        with ``overrides`` of its fields: ``agent.run(q, max_tokens=64)`` or ``agent.run(q, opts)``.
-        """
-        return self.loop.run(question, resolve_options(options, overrides))
-
-    def stream(self, question: str, options: RunOptions | None = None, **overrides: Any) -> Iterator[AgentEvent]:
-        """The run as events: ``token``, ``tool_call``, ``tool_result``, ``final`` or ``error``."""
-        return self.loop.events(question, resolve_options(options, overrides))
-
-    def trace(self, trace_id: str) -> dict[str, Any] | None:
-        store = self.tracer.store
-        return store.get(trace_id) if store is not None else None
 
     def grammar_for(self, registry: ToolRegistry, names: Sequence[str], call_format: CallFormat) -> Grammar:
         """Calls to ``names`` in ``call_format`` or plain text; only text when ``names`` is

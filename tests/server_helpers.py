@@ -3,6 +3,8 @@ check, and a real uvicorn server on a free local port."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,19 @@ def sample_agent(model: CausalLM, base: Path, **options: Any) -> Agent:
     return Agent(model=model, index=Retriever.open(root, shared_embedder()), concurrent=True, **options)
 
 
+@contextlib.contextmanager
+def sample_server(model: CausalLM, base: Path, api_key: str = "") -> Iterator[str]:
+    """A real uvicorn server of ``sample_agent``'s app; yields its URL, closes the agent after."""
+    from specrag.agent.server import create_app
+
+    agent = sample_agent(model, base)
+    try:
+        with LiveServer(create_app(agent, api_key=api_key)) as url:
+            yield url
+    finally:
+        agent.close()
+
+
 def assert_error(response: httpx.Response | Any, status: int, field: str | None = None) -> dict[str, Any]:
     """The response is the JSON error shape with ``status``, naming ``field`` (a prefix is enough)."""
     assert response.status_code == status, (response.status_code, response.text)
@@ -35,4 +50,4 @@ def assert_error(response: httpx.Response | Any, status: int, field: str | None 
     return error
 
 
-__all__ = ["LiveServer", "assert_error", "sample_agent", "wait_until"]
+__all__ = ["LiveServer", "assert_error", "sample_agent", "sample_server", "wait_until"]

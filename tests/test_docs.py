@@ -231,13 +231,10 @@ def test_the_docs_have_examples_and_every_fence_follows_the_rule() -> None:
 @pytest.fixture(scope="module")
 def docs_server(smollm2: CausalLM, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The examples' HTTP calls go to a real server (smollm2 for speed) over the sample index."""
-    from specrag.agent.server import create_app
-    from tests.server_helpers import LiveServer, sample_agent
+    from tests.server_helpers import sample_server
 
-    agent = sample_agent(smollm2, tmp_path_factory.getbasetemp())
-    with LiveServer(create_app(agent, api_key="")) as url:
+    with sample_server(smollm2, tmp_path_factory.getbasetemp()) as url:
         yield url
-    agent.close()
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ from specrag.agent.server import create_app
 from specrag.decoding.model import CausalLM
 from specrag.tools import tool
 from tests.retrieval_helpers import sample_index
-from tests.server_helpers import LiveServer, assert_error, sample_agent
+from tests.server_helpers import LiveServer, assert_error, sample_server
 
 MODEL = "smollm2-135m"
 
@@ -130,10 +130,8 @@ def test_the_engines_tool_calls_run_here_and_their_results_go_back() -> None:
 @pytest.fixture(scope="module")
 def remote(smollm2: CausalLM, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real specrag server: the engine behind --engine-url."""
-    agent = sample_agent(smollm2, tmp_path_factory.getbasetemp())
-    with LiveServer(create_app(agent, api_key="engine-key")) as url:
+    with sample_server(smollm2, tmp_path_factory.getbasetemp(), api_key="engine-key") as url:
         yield url
-    agent.close()
 
 
 @pytest.fixture(scope="module")
