@@ -22,8 +22,8 @@ Headers = list[tuple[bytes, bytes]]
 
 # The request fields whose text a generation's prompt starts with, per route. Ray's
 # PrefixCacheAffinityRouter reads a ``prompt`` attribute; see ``routing_prompt``.
-_CHAT = "/v1/chat/completions"
-_RUNS = "/v1/agent/runs"
+CHAT_PATH = "/v1/chat/completions"
+RUNS_PATH = "/v1/agent/runs"
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def routing_prompt(method: str, path: str, body: bytes) -> str:
     first request), so it would only make unrelated conversations look alike. A body that
     does not parse routes by load; the replica answers it with the usual 4xx.
     """
-    if method != "POST" or path.rstrip("/") not in (_CHAT, _RUNS):
+    if method != "POST" or path.rstrip("/") not in (CHAT_PATH, RUNS_PATH):
         return ""
     try:
         data = json.loads(body)
@@ -67,7 +67,7 @@ def routing_prompt(method: str, path: str, body: bytes) -> str:
         return ""
     user = data.get("user")
     head = f"user:{user}\n" if isinstance(user, str) and user else ""
-    if path.rstrip("/") == _RUNS:
+    if path.rstrip("/") == RUNS_PATH:
         question = data.get("question")
         return head + question if isinstance(question, str) else ""
     messages = data.get("messages")

@@ -23,6 +23,14 @@ class StartupError(Exception):
     """The command cannot start as asked (a user module, a factory's result)."""
 
 
+def engine_index_problem(args: argparse.Namespace) -> str | None:
+    """Why ``args`` cannot start over a remote engine, or None: the sample index is built
+    with a local pack's tokenizer, so ``--engine-url`` needs ``--index`` or ``--no-index``."""
+    if getattr(args, "engine_url", None) and args.index is None and not args.no_index:
+        return "--engine-url needs --index DIR or --no-index (the sample index needs a local pack)"
+    return None
+
+
 def build_agent(args: argparse.Namespace, concurrent: bool, progress: bool) -> Any:
     """The agent ``serve`` and ``ask`` run (and each Ray Serve replica); StartupError if it cannot start."""
     from specrag.agent.runtime import Agent
@@ -39,10 +47,9 @@ def build_agent(args: argparse.Namespace, concurrent: bool, progress: bool) -> A
     except ToolLoadError as error:
         raise StartupError(str(error)) from error
     engine_url = getattr(args, "engine_url", None)
-    if engine_url and args.index is None and not args.no_index:
-        raise StartupError(
-            "--engine-url needs --index DIR (or --no-index): the sample index is built with a local pack"
-        )
+    problem = engine_index_problem(args)
+    if problem is not None:
+        raise StartupError(problem)
     index = None if args.no_index else args.index or ensure_sample_index(args.model, progress=progress)
     options: dict[str, Any] = {"max_in_flight": args.max_in_flight} if concurrent else {}
     trace_log = getattr(args, "trace_log", None) or os.environ.get("SPECRAG_TRACE_LOG")
@@ -121,8 +128,9 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
         except ToolLoadError as error:
             print(f"specrag serve: {error}", file=sys.stderr)
             return 2
-    if args.engine_url and args.index is None and not args.no_index:
-        print("specrag serve: --engine-url needs --index DIR or --no-index", file=sys.stderr)
+    problem = engine_index_problem(args)
+    if problem is not None:
+        print(f"specrag serve: {problem}", file=sys.stderr)
         return 2
     return ray_serve.run(args)
 

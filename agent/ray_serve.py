@@ -19,7 +19,8 @@ Failures: a replica that dies is restarted by Ray; a request that was on it gets
 under way ends with that error as its last event. Ray's own queue limit is a 503 too.
 All replicas read one index directory and follow its rebuilds (``Retriever.refresh``);
 finished traces go to a directory they share (``TraceStore(shared_dir=)``), so any replica
-answers ``GET /v1/traces/{id}``. ``docs/deployment.md`` has the cluster and KubeRay setups.
+answers ``GET /v1/traces/{id}``; ``GET /metrics`` answers with every replica's registry
+(``agent/ray_metrics.py``). ``docs/deployment.md`` has the cluster and KubeRay setups.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from specrag.agent.asgi_forward import ForwardedRequest, ResponseStart, call_asgi, routing_prompt
+from specrag.agent.asgi_forward import CHAT_PATH, ForwardedRequest, ResponseStart, call_asgi, routing_prompt
+from specrag.agent.errors import error_body
+from specrag.agent.ray_metrics import MetricsPusher, board, merge_expositions
 
 APP_NAME = "specrag"
 REPLICA_HEADER = b"x-specrag-replica"  # which replica answered: for clients' logs and the tests
@@ -54,6 +57,7 @@ REPLICA_HEADER = b"x-specrag-replica"  # which replica answered: for clients' lo
 IMBALANCED_THRESHOLD = 4
 MATCH_RATE_THRESHOLD = 0.5
 RETRY_AFTER_S = 1
+METRICS_PATH = "/metrics"  # answered with every replica's registry (agent/ray_metrics.py)
 # The ingress only reads and forwards (async, no model): it must never be the bottleneck.
 # Ray's default of 5 ongoing requests per replica would cap the whole deployment at 5.
 INGRESS_MAX_ONGOING = 1024
@@ -114,14 +118,18 @@ class SpecragReplica:
 
     def __init__(self, spec: dict[str, Any]) -> None:
         from specrag.agent.cli_agent import build_agent
+        from specrag.agent.metrics import ServerMetrics
         from specrag.agent.server import create_app
 
         replica = ReplicaSpec(**spec)
         self.agent = build_agent(replica.namespace(), concurrent=True, progress=False)
         if replica.calibrate and hasattr(self.agent.engine, "calibrate"):  # not a remote engine
             self.agent.engine.calibrate()
-        self.app = create_app(self.agent, api_key=replica.api_key)
-        self.replica_id = serve.get_replica_context().replica_id.unique_id.encode()
+        metrics = ServerMetrics(self.agent)
+        self.app = create_app(self.agent, api_key=replica.api_key, metrics=metrics)
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id.encode()
+        self.metrics_pusher = MetricsPusher(board(context.app_name), context.replica_id.unique_id, metrics.render)
 
     async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
         async for item in call_asgi(self.app, request):
@@ -137,6 +145,9 @@ class SpecragReplica:
             raise RuntimeError("the engine worker has stopped")
 
     def __del__(self) -> None:
+        pusher = getattr(self, "metrics_pusher", None)
+        if pusher is not None:
+            pusher.stop()
         agent = getattr(self, "agent", None)
         if agent is not None:
             agent.close()
@@ -148,6 +159,7 @@ class SpecragIngress:
     def __init__(self, replicas: DeploymentHandle, max_body_bytes: int = 1_000_000) -> None:
         self.replicas = replicas.options(stream=True)
         self.max_body_bytes = max_body_bytes
+        self.metrics_board = board(serve.get_replica_context().app_name)
 
     async def __call__(self, request: Request) -> Response:
         body = await request.body()
@@ -167,10 +179,20 @@ class SpecragIngress:
             start = await stream.__anext__()
         except _RETRYABLE as error:
             return _retryable(error)
+        if start.status == 200 and request.method == "GET" and path.rstrip("/") == METRICS_PATH:
+            return await self._every_replicas_metrics(stream, start)
         events = _is_event_stream(start.headers)
         response = StreamingResponse(_rest(stream, path if events else None), status_code=start.status)
         response.raw_headers = list(start.headers)
         return response
+
+    async def _every_replicas_metrics(self, stream: DeploymentResponseGenerator, start: ResponseStart) -> Response:
+        """The replica that took the scrape accepted its key; the answer is every replica's."""
+        async for _ in stream:  # its own registry: on the board too, at most a push old
+            pass
+        merged = merge_expositions(await self.metrics_board.fresh.remote())
+        content_type = next((v.decode() for k, v in start.headers if k.lower() == b"content-type"), None)
+        return Response(merged, status_code=200, media_type=content_type)
 
 
 async def _rest(stream: DeploymentResponseGenerator, event_path: str | None) -> AsyncIterator[bytes]:
@@ -185,7 +207,7 @@ async def _rest(stream: DeploymentResponseGenerator, event_path: str | None) -> 
         if event_path is None:
             raise
         error_data = _retryable_body(error)
-        if event_path.rstrip("/") == "/v1/chat/completions":
+        if event_path.rstrip("/") == CHAT_PATH:
             yield f"data: {json.dumps(error_data)}\n\ndata: [DONE]\n\n".encode()
         else:
             yield f"event: error\ndata: {json.dumps(error_data['error'])}\n\n".encode()
@@ -200,7 +222,9 @@ def _retryable_body(error: BaseException) -> dict[str, Any]:
         kind, message = "overloaded_error", "every replica's queue is full; retry later"
     else:
         kind, message = "replica_unavailable", "the replica serving this request stopped before answering; retry it"
-    return {"error": {"type": kind, "message": message, "retryable": True}}
+    body: dict[str, Any] = error_body(kind, message)
+    body["error"]["retryable"] = True
+    return body
 
 
 def _retryable(error: BaseException) -> Response:
@@ -208,7 +232,7 @@ def _retryable(error: BaseException) -> Response:
 
 
 def _error(status: int, kind: str, message: str, field_name: str) -> Response:
-    return JSONResponse({"error": {"type": kind, "message": message, "field": field_name}}, status_code=status)
+    return JSONResponse(error_body(kind, message, field_name), status_code=status)
 
 
 @dataclass(frozen=True)
@@ -283,10 +307,12 @@ def builder_argv(args: dict[str, Any]) -> list[str]:
 
 def replica_spec(args: argparse.Namespace) -> ReplicaSpec:
     """``specrag serve``'s parsed options as a replica builds them (the sample index resolved)."""
+    from specrag.agent.cli_agent import engine_index_problem
     from specrag.agent.sample_index import ensure_sample_index
 
-    if args.engine_url and args.index is None and not args.no_index:
-        raise ValueError("--engine-url needs --index DIR or --no-index (the sample index needs a local pack)")
+    problem = engine_index_problem(args)
+    if problem is not None:
+        raise ValueError(problem)
     index = None if args.no_index else args.index or str(ensure_sample_index(args.model, progress=True))
     trace_dir = args.trace_dir or str(Path("~/.cache/specrag/traces/ray").expanduser())
     return ReplicaSpec(

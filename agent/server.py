@@ -73,8 +73,10 @@ def create_app(
     max_prompt_tokens: int | None = None,
     max_tokens_limit: int = 2048,
     max_steps_limit: int = 8,
+    metrics: ServerMetrics | None = None,
 ) -> Litestar:
-    """The app over ``agent`` (built with ``concurrent=True`` so requests interleave)."""
+    """The app over ``agent`` (built with ``concurrent=True`` so requests interleave);
+    ``metrics``: a registry the caller also reads (a Ray replica pushes it to the ingress)."""
     from specrag.agent.server_auth import BearerAuth
 
     key = api_key if api_key is not None else os.environ.get("SPECRAG_API_KEY") or None
@@ -84,7 +86,7 @@ def create_app(
         max_tokens_limit=max_tokens_limit,
         max_steps_limit=max_steps_limit,
     )
-    metrics = ServerMetrics(agent)
+    metrics = metrics or ServerMetrics(agent)
     started = int(time.time())
     dependencies = {
         "agent": Provide(lambda: agent, sync_to_thread=False),

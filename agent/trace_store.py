@@ -17,7 +17,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -88,8 +88,7 @@ class TraceStore:
             kept = list(self._traces.values())
         if self.shared is None:
             return kept
-        held = {data["trace_id"] for data in kept}
-        return kept + [data for data in self.shared.newest() if data["trace_id"] not in held]
+        return kept + self.shared.newest(skip={data["trace_id"] for data in kept})
 
     def __len__(self) -> int:
         return len(self._traces)
@@ -129,10 +128,13 @@ class SharedTraceDir:
         except (OSError, ValueError):
             return None
 
-    def newest(self) -> list[dict[str, Any]]:
-        """Up to ``max_traces`` shared traces, oldest first (the order the memory LRU lists)."""
+    def newest(self, skip: Collection[str] = ()) -> list[dict[str, Any]]:
+        """Up to ``max_traces`` shared traces but those in ``skip`` (held in memory already, so
+        not read again), oldest first (the order the memory LRU lists)."""
         traces = []
         for path in reversed(self._files_newest_first()[: self.max_traces]):
+            if path.stem in skip:
+                continue
             data = self.read(path.stem)
             if data is not None:
                 traces.append(data)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import shutil
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,10 +19,12 @@ import httpx
 import openai
 import pytest
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from specrag.agent.cli_agent import serve_parser
 from specrag.agent.ray_serve import APP_NAME, ReplicaSpec, Scaling, application, builder_argv, scaling_of
+from specrag.evals.bench.ray_routing import free_port
 from specrag.retrieval import Corpus, Document, build_index
 from tests.retrieval_helpers import chunker, sample_index, sample_subset, shared_embedder
 from tests.server_helpers import assert_error, wait_until
@@ -31,6 +32,7 @@ from tests.server_helpers import assert_error, wait_until
 pytestmark = pytest.mark.slow
 
 KEY = "ray-test-key"
+WORDS = ("apple", "river", "cloud", "stone", "maple", "harbor")
 MODEL = "smollm2-135m"
 REPLICA = "x-specrag-replica"
 IN_FLIGHT = 8  # per replica (max_in_flight, Ray's max_ongoing_requests)
@@ -38,12 +40,6 @@ IN_FLIGHT = 8  # per replica (max_in_flight, Ray's max_ongoing_requests)
 # until its router has placed it, so a burst larger than this is refused even with free
 # replicas: the kill test's burst stays below it.
 QUEUED = 8
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +141,36 @@ def test_errors_auth_and_health_as_in_one_process(url: str) -> None:
     assert httpx.get(f"{url}/metrics", headers=auth(), timeout=30).status_code == 200
 
 
+def chats_answered(url: str) -> dict[str, float]:
+    """Per replica, chat completions answered 200, from ``GET /metrics`` through the proxy."""
+    text = httpx.get(f"{url}/metrics", headers=auth(), timeout=30).text
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            chat_route = labels.get("route") == "/v1/chat/completions" and labels.get("status") == "200"
+            if sample.name == "specrag:http_requests_total" and chat_route:
+                counts[labels["replica"]] = counts.get(labels["replica"], 0) + sample.value
+    return counts
+
+
+def test_metrics_through_the_proxy_cover_every_replica(url: str) -> None:
+    """A scrape lands on one replica but answers for both, each series labelled ``replica``;
+    chats answered by either show up in it (each replica pushes its registry every second)."""
+    assert wait_until(lambda: len(set(replica_series(url))) == 2, timeout=30, interval=0.5)
+    before = sum(chats_answered(url).values())
+    replicas = {chat(url, [{"role": "user", "content": f"Say {word}."}]).headers[REPLICA] for word in WORDS}
+    assert wait_until(lambda: sum(chats_answered(url).values()) >= before + len(WORDS), timeout=30, interval=0.5)
+    assert replicas <= set(replica_series(url))
+    assert httpx.get(f"{url}/metrics", timeout=30).status_code == 401  # the key, as in one process
+
+
+def replica_series(url: str) -> list[str]:
+    text = httpx.get(f"{url}/metrics", headers=auth(), timeout=30).text
+    families = text_string_to_metric_families(text)
+    return [sample.labels["replica"] for family in families for sample in family.samples]
+
+
 def test_a_conversation_stays_on_its_replica(url: str) -> None:
     """Ray's prefix-aware router: each later turn extends the earlier ones' text, so it goes
     where their cached blocks are; a conversation sharing no prefix with any earlier one goes
@@ -200,10 +226,14 @@ def test_an_index_rebuild_reaches_both_replicas_without_a_failed_request(url: st
 
 
 def test_beyond_every_replicas_limit_and_rays_queue_a_retryable_503(url: str) -> None:
-    """Two replicas take IN_FLIGHT requests each and Ray queues QUEUED more; the rest are
-    refused at once with the retryable 503, and every request is one or the other."""
-    sent = 2 * IN_FLIGHT + QUEUED + 10
-    body = {"model": MODEL, "max_tokens": 24, "temperature": 0, "speculation": "off"}
+    """Two replicas take IN_FLIGHT requests each and Ray queues about QUEUED more; the rest
+    are refused at once with the retryable 503, and every request is one or the other.
+
+    Ray's queue count is not an exact bound (seen here: 31 of 34 taken beside a nominal 24,
+    none finished yet), so the burst is twice the nominal capacity and the test asserts that
+    some are refused (without the queue limit none is) and that no request fails otherwise."""
+    sent = 2 * (2 * IN_FLIGHT + QUEUED)
+    body = {"model": MODEL, "max_tokens": 64, "temperature": 0, "speculation": "off"}
 
     def post(n: int) -> httpx.Response:
         messages = [{"role": "user", "content": f"Write a long story about lighthouse number {n}."}]
@@ -213,11 +243,10 @@ def test_beyond_every_replicas_limit_and_rays_queue_a_retryable_503(url: str) ->
         responses = list(pool.map(post, range(sent)))
     statuses = [response.status_code for response in responses]
     assert set(statuses) == {200, 503}, statuses
-    refused = [response for response in responses if response.status_code == 503]
-    assert len(refused) >= sent - 2 * IN_FLIGHT - QUEUED - 2, statuses  # a request or two may finish first
-    for response in refused:
-        error = assert_error(response, 503)
-        assert error["type"] == "overloaded_error" and error["retryable"] and response.headers["retry-after"] == "1"
+    for response in responses:
+        if response.status_code == 503:
+            error = assert_error(response, 503)
+            assert error["type"] == "overloaded_error" and error["retryable"] and response.headers["retry-after"] == "1"
 
 
 def stream_outcome(url: str, text: str, started: list[str]) -> tuple[str | None, str]:

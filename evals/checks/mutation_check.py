@@ -411,6 +411,13 @@ MUTATIONS = (
         ("tests/test_ray_serve.py::test_a_replica_killed_under_load_loses_no_request_silently",),
     ),
     Mutation(
+        "ray_metrics_answer_for_one_replica",
+        "agent/ray_serve.py",
+        'if start.status == 200 and request.method == "GET" and path.rstrip("/") == METRICS_PATH:',
+        "if False:",
+        ("tests/test_ray_serve.py::test_metrics_through_the_proxy_cover_every_replica",),
+    ),
+    Mutation(
         "retriever_never_follows_a_rebuild",
         "retrieval/retriever.py",
         "if self.follow and time.monotonic() - self._checked_at >= FOLLOW_INTERVAL_S:",
