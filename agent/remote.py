@@ -8,6 +8,8 @@ the agent: retrieval over its index, the tools (offered as OpenAI ``tools``; the
 trace (a ``chat {model}`` span per remote call with the usage it reported) and the evals.
 The loop is ``AgentLoop`` itself; only the step's generation changes (``RemoteAgentLoop``).
 
+``POST /v1/chat/completions`` is relayed to the engine as it came (``RemoteEngine.relay``):
+the agent, retrieval and traces are the agent endpoint's; plain chat is the engine's own.
 What needs the model's own logits cannot cross HTTP and is refused with a 400 naming the
 option: the answerability probe (``abstain_threshold``), the model as grounding judge
 (``grounding_judge``). The repeat deviation (``agent/repeat_deviation.py``) is skipped: a
@@ -21,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -72,8 +74,9 @@ class RemoteEngine:
     def __init__(self, url: str, model: str, api_key: str | None = None, timeout: float = 600.0) -> None:
         self.url = url.rstrip("/")
         self.model = model
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._timeout = timeout
+        self._client = httpx.Client(base_url=self.url, headers=self._headers, timeout=timeout)
 
     def chat(
         self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]], **sampling: Any
@@ -102,6 +105,28 @@ class RemoteEngine:
             raise RemoteEngineError(f"{self.url}: {error}") from error
         reply.calls = [_call(fragment) for _, fragment in sorted(fragments.items())]
         yield reply
+
+    async def relay(self, body: bytes) -> tuple[int, str, AsyncIterator[bytes]]:
+        """A client's chat completion sent on as it came: the engine's status, content type
+        and body (a stream's events as they arrive), as an OpenAI-compatible gateway does."""
+        client = httpx.AsyncClient(base_url=self.url, headers=self._headers, timeout=self._timeout)
+        request = client.build_request("POST", "/v1/chat/completions", content=body)
+        request.headers["content-type"] = "application/json"
+        try:
+            response = await client.send(request, stream=True)
+        except httpx.HTTPError as error:
+            await client.aclose()
+            raise RemoteEngineError(f"{self.url}: {error}") from error
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in response.aiter_raw():
+                    yield chunk
+            finally:
+                await response.aclose()
+                await client.aclose()
+
+        return response.status_code, response.headers.get("content-type", "application/json"), chunks()
 
     def close(self) -> None:
         self._client.close()

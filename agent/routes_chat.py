@@ -10,13 +10,14 @@ from contextlib import aclosing
 from typing import Any
 
 import anyio.to_thread
-from litestar import Controller, Response, post
+from litestar import Controller, Request, Response, post
 from litestar.params import JSONBody
-from litestar.response import ServerSentEvent
+from litestar.response import ServerSentEvent, Stream
 
 from specrag.agent.api_models import ChatCompletionRequest
 from specrag.agent.errors import POST_ERRORS, ApiError, error_body, logger
 from specrag.agent.openai_compat import ChatRun, plan_chat
+from specrag.agent.remote import RemoteEngineError
 from specrag.agent.routes_runs import overloaded
 from specrag.agent.served import AgentDep, LimitsDep, MetricsDep, iterate_in_thread
 from specrag.agent.worker import QueueFull, WorkerStopped
@@ -27,13 +28,16 @@ class ChatController(Controller):
 
     @post("/", status_code=200, summary="OpenAI-compatible chat completion (SSE with stream)", responses=POST_ERRORS)
     async def complete(
-        self, agent: AgentDep, limits: LimitsDep, metrics: MetricsDep, data: JSONBody[ChatCompletionRequest]
+        self,
+        agent: AgentDep,
+        limits: LimitsDep,
+        metrics: MetricsDep,
+        request: Request[Any, Any, Any],
+        data: JSONBody[ChatCompletionRequest],
     ) -> Response[Any]:
         received = time.perf_counter()
         if agent.model.tokenizer is None:  # generation is the engine's behind --engine-url
-            raise ApiError(
-                501, "this server generates through --engine-url; send chat completions there", type="not_implemented"
-            )
+            return await _relay(agent, await request.body())
         plan = await anyio.to_thread.run_sync(plan_chat, agent, data, limits)
         run = ChatRun(agent, plan, metrics, received)
         try:
@@ -44,6 +48,16 @@ class ChatController(Controller):
         except (QueueFull, WorkerStopped) as error:
             raise overloaded(str(error)) from None
         return ServerSentEvent(_chat_sse(first, chunks))
+
+
+async def _relay(agent: Any, body: bytes) -> Response[Any]:
+    """The request as it came to the engine behind ``--engine-url``; its answer as it came
+    (an engine's 4xx too: it judged the request); no answer at all is a 502."""
+    try:
+        status, media_type, chunks = await agent.engine.relay(body)
+    except RemoteEngineError as error:
+        raise ApiError(502, f"the generation engine failed: {error}", type="upstream_error") from None
+    return Stream(chunks, status_code=status, media_type=media_type)
 
 
 async def _chat_sse(first: dict[str, Any], chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:

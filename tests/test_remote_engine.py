@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from litestar import Litestar, Request, post
 from litestar.response import ServerSentEvent
@@ -23,6 +24,7 @@ from specrag.agent.remote import RemoteAgent, RemoteReply, _absorb, openai_messa
 from specrag.agent.run_state import RunOptions
 from specrag.agent.server import create_app
 from specrag.decoding.model import CausalLM
+from specrag.evals.bench.ray_routing import free_port
 from specrag.tools import tool
 from tests.retrieval_helpers import sample_index
 from tests.server_helpers import LiveServer, assert_error, sample_server
@@ -165,8 +167,26 @@ def test_the_agent_endpoint_over_a_remote_engine(remote_agent: RemoteAgent) -> N
         assert response.json()["answer"]
         refused = httpx.post(f"{url}/v1/agent/runs", json=body | {"abstain_threshold": 0.5}, timeout=60)
         assert_error(refused, 400, "abstain_threshold")
-        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-        assert_error(httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60), 501)
+
+
+def test_chat_completions_are_relayed_to_the_engine(remote_agent: RemoteAgent, remote: str) -> None:
+    """The engine's answer as it came: JSON, a stream (the official client), its own 400."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}]}
+    chat |= {"max_tokens": 8, "temperature": 0}
+    direct = httpx.post(
+        f"{remote}/v1/chat/completions", json=chat, headers={"Authorization": "Bearer engine-key"}, timeout=120
+    )
+    expected = direct.json()["choices"][0]["message"]["content"]
+    with LiveServer(create_app(remote_agent, api_key="")) as url:
+        relayed = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=120)
+        assert relayed.status_code == 200 and relayed.json()["choices"][0]["message"]["content"] == expected
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        stream = client.chat.completions.create(
+            model=MODEL, messages=chat["messages"], max_tokens=8, temperature=0, stream=True
+        )
+        assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == expected
+        refused = httpx.post(f"{url}/v1/chat/completions", json=chat | {"max_tokens": -1}, timeout=60)
+        assert_error(refused, 400, "max_tokens")  # the engine's own refusal
 
 
 def test_an_engine_that_fails_is_a_502(tmp_path: Path) -> None:
@@ -177,6 +197,11 @@ def test_an_engine_that_fails_is_a_502(tmp_path: Path) -> None:
         agent.close()
     assert_error(response, 502)
     assert "404" in response.json()["error"]["message"]
+    unreachable = RemoteAgent(f"http://127.0.0.1:{free_port()}", "missing", index=None)  # nothing listens there
+    with LiveServer(create_app(unreachable, api_key="")) as server:
+        chat = {"model": "missing", "messages": [{"role": "user", "content": "hi"}]}
+        assert_error(httpx.post(f"{server}/v1/chat/completions", json=chat, timeout=60), 502)
+    unreachable.close()
 
 
 @pytest.mark.slow
