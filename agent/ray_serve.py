@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import ray
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
@@ -48,6 +49,7 @@ from specrag.agent.ray_metrics import MetricsPusher, board, merge_expositions
 
 APP_NAME = "specrag"
 REPLICA_HEADER = b"x-specrag-replica"  # which replica answered: for clients' logs and the tests
+NODE_HEADER = b"x-specrag-node"  # the Ray node it runs on
 # Ray's prefix router keeps a request on the replica holding the longest match of its
 # routing text while the replicas' queue lengths differ by at most IMBALANCED_THRESHOLD (then
 # it balances load: power of two choices), and only if the match covers MATCH_RATE_THRESHOLD
@@ -129,12 +131,14 @@ class SpecragReplica:
         self.app = create_app(self.agent, api_key=replica.api_key, metrics=metrics)
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id.encode()
+        self.node_id = ray.get_runtime_context().get_node_id().encode()
         self.metrics_pusher = MetricsPusher(board(context.app_name), context.replica_id.unique_id, metrics.render)
 
     async def handle(self, request: ForwardedRequest) -> AsyncIterator[ResponseStart | bytes]:
         async for item in call_asgi(self.app, request):
             if isinstance(item, ResponseStart):
-                yield ResponseStart(item.status, [*item.headers, (REPLICA_HEADER, self.replica_id)])
+                headers = [*item.headers, (REPLICA_HEADER, self.replica_id), (NODE_HEADER, self.node_id)]
+                yield ResponseStart(item.status, headers)
             else:
                 yield item
 

@@ -1,4 +1,5 @@
-"""specrag on a real local Ray instance: two smollm2 replicas behind Ray Serve's HTTP proxy.
+"""specrag on a real local Ray cluster of two nodes: a smollm2 replica on each, behind Ray
+Serve's HTTP proxy on the head node.
 
 The official ``openai`` client and the agent endpoint through the proxy; errors, auth and
 health as in one process; a conversation kept on one replica by Ray's prefix-aware router;
@@ -21,6 +22,7 @@ import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
+from ray.cluster_utils import Cluster
 
 from specrag.agent.cli_agent import serve_parser
 from specrag.agent.ray_serve import APP_NAME, ReplicaSpec, Scaling, application, builder_argv, scaling_of
@@ -35,6 +37,7 @@ KEY = "ray-test-key"
 WORDS = ("apple", "river", "cloud", "stone", "maple", "harbor")
 MODEL = "smollm2-135m"
 REPLICA = "x-specrag-replica"
+NODE = "x-specrag-node"
 IN_FLIGHT = 8  # per replica (max_in_flight, Ray's max_ongoing_requests)
 # Waiting at the ingress for a replica beyond those; then 503. Ray counts a request as queued
 # until its router has placed it, so a burst larger than this is refused even with free
@@ -53,9 +56,13 @@ def index_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def url(index_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    ray.init(num_cpus=2, include_dashboard=False, namespace="specrag-tests", log_to_driver=False)
+    # A Ray cluster of two nodes on this machine (Ray's own test utility: a head and a worker
+    # raylet), one CPU each, so each replica is placed on its own node; the proxy on the head.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, namespace="specrag-tests", log_to_driver=False)
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     spec = ReplicaSpec(
         model=MODEL,
         index=str(index_root),
@@ -72,6 +79,7 @@ def url(index_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     finally:
         serve.shutdown()
         ray.shutdown()
+        cluster.shutdown()
 
 
 def test_autoscaling_and_routing_settings_reach_ray() -> None:
@@ -175,7 +183,7 @@ def test_a_conversation_stays_on_its_replica(url: str) -> None:
     """Ray's prefix-aware router: each later turn extends the earlier ones' text, so it goes
     where their cached blocks are; a conversation sharing no prefix with any earlier one goes
     to the replica holding the least text."""
-    homes = []
+    homes, nodes = [], {}
     for topic in ("Rivers", "Tea", "Chess", "Opera"):  # no two share a first letter
         messages = [{"role": "user", "content": f"{topic}: tell me one fact, in detail please."}]
         replicas = set()
@@ -183,11 +191,13 @@ def test_a_conversation_stays_on_its_replica(url: str) -> None:
             response = chat(url, messages)
             assert response.status_code == 200, response.text
             replicas.add(response.headers[REPLICA])
+            nodes[response.headers[REPLICA]] = response.headers[NODE]
             answer = response.json()["choices"][0]["message"]["content"]
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"And {turn}?"}]
         assert len(replicas) == 1, (topic, replicas)
         homes.append(replicas.pop())
     assert len(set(homes)) == 2, homes  # both replicas took conversations
+    assert len(set(nodes.values())) == 2, nodes  # one replica on each node of the cluster
 
 
 def replicas_seen_at(url: str, version: str) -> set[str]:
