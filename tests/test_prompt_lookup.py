@@ -32,9 +32,21 @@ def test_output_so_far_is_preferred_and_grows_incrementally() -> None:
     context = [*prompt, 20, 21, 22, 11, 12]
     assert drafter.propose(context, 4).source == "prompt"  # [11, 12] -> 13 in the prompt
     context += [30, 11, 12]
-    draft = drafter.propose(context, 4)
+    draft = drafter.propose(context, 3)
     assert draft.source == "output"  # most recent occurrence is now in the output
-    assert draft.tokens == [30, 11, 12]  # a continuation stops where the stream ends
+    assert draft.tokens == [30, 11, 12]
+
+
+def test_a_copy_that_reaches_the_end_of_the_stream_repeats_what_it_copied() -> None:
+    """A match 3 tokens back drafts a text of period 3 for the whole budget (the loop a
+    small model falls into); a plain copy would stop where the stream ends."""
+    prompt = [10, 11, 12, 13]
+    context = [*prompt, 7, 8, 9, 7, 8, 9, 7, 8]
+    draft = PromptLookupDrafter(prompt, min_ngram=2, max_ngram=2).propose(context, 8)
+    assert (draft.source, draft.tokens) == ("output", [9, 7, 8, 9, 7, 8, 9, 7])
+    passage = [1, 2, 3]  # a passage is not continued past its end: the draft is no part of it
+    draft = PromptLookupDrafter([5], [passage], min_ngram=2).propose([5, 1, 2], 4)
+    assert (draft.source, draft.tokens) == ("passage:0", [3])
 
 
 def test_passages_are_attributed_even_when_the_prompt_holds_the_same_text() -> None:
@@ -99,15 +111,18 @@ def test_every_proposal_is_a_real_continuation_of_a_matched_ngram(
     assert len(draft.tokens) <= budget
     if not draft.tokens:
         return
-    # In the stream a match may not be the trailing n-gram itself (start < len(context)).
-    sources = {"prompt": context, "output": context, lookup_module.NO_MATCH: []}
+    # In the stream a match may not be the trailing n-gram itself (start < len(context)),
+    # and a copy from it that reaches its end goes on over the draft itself.
+    stream = [*context, *draft.tokens]
+    sources = {"prompt": stream, "output": stream, lookup_module.NO_MATCH: []}
     sources.update({f"passage:{index}": passage for index, passage in enumerate(passages)})
     source_tokens = sources[draft.source]
+    starts = len(context) if source_tokens is stream else len(source_tokens)
     assert any(
         source_tokens[start - n : start] == context[-n:]
         and source_tokens[start : start + len(draft.tokens)] == draft.tokens
         for n in range(min_ngram, max_ngram + 1)
-        for start in range(n, len(source_tokens))
+        for start in range(n, starts)
     )
 
 

@@ -48,13 +48,26 @@ class EditTracker:
         self._divergence: tuple[list[int], int] | None = None  # (source, position where the copy broke)
         self._since: list[int] = []  # tokens committed since the divergence
 
-    def copy(self, source: list[int], start: int, max_tokens: int) -> list[int]:
+    def copy(self, source: list[int], start: int, max_tokens: int, overlapping: bool = False) -> list[int]:
         """``source[start:]`` with the learned substitutions applied, up to ``max_tokens``;
-        remembered as the pending proposal, which ``observe`` compares with the commit."""
+        remembered as the pending proposal, which ``observe`` compares with the commit.
+
+        ``overlapping``: ``source`` is the stream the draft continues, so a copy that reaches
+        its end goes on copying the draft itself (as LZ77 copies overlap): a match ``P``
+        tokens back drafts a text that repeats with period ``P`` for as long as asked, where
+        the plain copy would stop after ``P`` tokens. A model caught in a loop (smollm2
+        repeating one sentence) is drafted a whole γ a cycle, as transformers' prompt lookup,
+        which copies from the earliest occurrence, does too."""
         tokens: list[int] = []
         origins: list[Origin] = []
         position = start
-        while len(tokens) < max_tokens and position < len(source):
+        end = len(source)
+        while len(tokens) < max_tokens and (position < end or (overlapping and position - end < len(tokens))):
+            if position >= end:  # the draft's own token: it will stand at this position once committed
+                tokens.append(tokens[position - end])
+                origins.append(position)
+                position += 1
+                continue
             replaced = self._substitution_at(source, position)
             if replaced is None:
                 tokens.append(source[position])

@@ -9,7 +9,9 @@ indexes that are filled once (passages) or extended by the newly committed token
 Match preference, longest n first; for equal n: the output so far (a repeat of what the
 model is writing), then the passages in the order given (so accepted tokens are
 attributed to a passage even when the prompt holds the same text), then the prompt.
-Within the stream the most recent occurrence wins; across passages the first one.
+Within the stream the most recent occurrence wins; across passages the first one. A copy
+from the stream that reaches its end goes on copying the draft (``EditTracker.copy``,
+``overlapping``): a repeated span is drafted in full, not only up to where the stream ends.
 
 Drafts copy with the edits the model has been seen to make to the text it copies
 (``decoding/drafters/edits.py``: a renamed identifier is drafted renamed).
@@ -109,7 +111,7 @@ class PromptLookupDrafter(FreeDrafter):
             for looked_up in contexts:
                 for sequence, start, source in self._lookup(tuple(looked_up[-ngram:])):
                     limit = max_tokens if not chains else min(max_tokens, BRANCH_TOKENS)
-                    tokens = self._edits.copy(sequence, start, limit)
+                    tokens = self._edits.copy(sequence, start, limit, overlapping=sequence is self._stream)
                     if tokens and not _repeats(tokens, chains):
                         chains.append(Draft(tokens, None, source, ngram))
                     if len(chains) > self.branches:

@@ -418,6 +418,13 @@ MUTATIONS = (
         ("tests/test_ray_serve.py::test_metrics_through_the_proxy_cover_every_replica",),
     ),
     Mutation(
+        "stream_copy_stops_at_its_end",
+        "decoding/drafters/prompt_lookup.py",
+        "overlapping=sequence is self._stream)",
+        "overlapping=False)",
+        ("tests/test_prompt_lookup.py",),
+    ),
+    Mutation(
         "retriever_never_follows_a_rebuild",
         "retrieval/retriever.py",
         "if self.follow and time.monotonic() - self._checked_at >= FOLLOW_INTERVAL_S:",
