@@ -18,7 +18,7 @@ from specrag.agent.api_models import ChatCompletionRequest
 from specrag.agent.errors import POST_ERRORS, ApiError, error_body, logger
 from specrag.agent.openai_compat import ChatRun, plan_chat
 from specrag.agent.remote import RemoteEngineError
-from specrag.agent.routes_runs import overloaded
+from specrag.agent.routes_runs import overloaded, upstream_failed
 from specrag.agent.served import AgentDep, LimitsDep, MetricsDep, iterate_in_thread
 from specrag.agent.worker import QueueFull, WorkerStopped
 
@@ -56,7 +56,7 @@ async def _relay(agent: Any, body: bytes) -> Response[Any]:
     try:
         status, media_type, chunks = await agent.engine.relay(body)
     except RemoteEngineError as error:
-        raise ApiError(502, f"the generation engine failed: {error}", type="upstream_error") from None
+        raise upstream_failed(error) from None
     return Stream(chunks, status_code=status, media_type=media_type)
 
 

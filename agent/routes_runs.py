@@ -38,6 +38,11 @@ def overloaded(message: str) -> ApiError:
     return ApiError(503, message, type="overloaded_error", headers={"Retry-After": "1"})
 
 
+def upstream_failed(error: RemoteEngineError) -> ApiError:
+    """The engine behind ``--engine-url`` failed or could not be reached: a 502."""
+    return ApiError(502, f"the generation engine failed: {error}", type="upstream_error")
+
+
 class AgentRunController(Controller):
     path = "/v1/agent/runs"
 
@@ -152,8 +157,8 @@ def _refusal(event: AgentEvent) -> ApiError | None:
         return overloaded(str(exception))
     if isinstance(exception, RemoteOptionUnsupported):
         return invalid(exception.field, str(exception))
-    if isinstance(exception, RemoteEngineError):  # the engine behind --engine-url failed
-        return ApiError(502, f"the generation engine failed: {exception}", type="upstream_error")
+    if isinstance(exception, RemoteEngineError):
+        return upstream_failed(exception)
     return None
 
 
