@@ -45,6 +45,7 @@ row-exact mode is exact only up to near-ties.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -82,9 +83,10 @@ class LinearSetting:
     onednn: bool = False
     row_block: int | None = None
     prompt_block: int | None = None
+    activation_major: bool = False  # MKL's ``x @ W.T`` in blocks of ``row_block`` rows
 
 
-_SETTING_BY_SHAPE: dict[tuple[int, int, torch.dtype, str], LinearSetting | None] = {}
+_SETTING_BY_SHAPE: dict[tuple[int, int, torch.dtype, str, bool], LinearSetting | None] = {}
 
 
 def linear_rows_are_exact(layer: SkinnyLinear, generator: torch.Generator) -> bool:
@@ -100,19 +102,25 @@ def linear_rows_are_exact(layer: SkinnyLinear, generator: torch.Generator) -> bo
     return True
 
 
-def find_row_exact_setting(layer: SkinnyLinear) -> LinearSetting | None:
-    """The first setting that makes ``layer`` row-exact, cheapest first: a float32 layer
-    through oneDNN (``linears.onednn_available``: MKL's float32 GEMM is row-exact at no
-    K-chunking), then unchunked with single rows padded to two (measured on the AMX Xeon:
-    products of 2..24 rows agree for every Qwen shape, K = 8960 included, while one row
-    alone differs from them for K > 4096), unchunked one-row, then ever smaller K-chunks.
-    The layer keeps it."""
+def find_row_exact_setting(layer: SkinnyLinear, few_rows: bool = False) -> LinearSetting | None:
+    """The first setting that makes ``layer`` row-exact, cheapest first: for ``few_rows`` on
+    an AVX512 CPU, a float32 layer through MKL's ``x @ W.T`` in row blocks
+    (``mkl_blocks_preferred``, ``mkl_block_setting``), then
+    through oneDNN (``linears.onednn_available``), then unchunked with single rows padded
+    to two (measured on the AMX Xeon: products of 2..24 rows agree for every Qwen shape,
+    K = 8960 included, while one row alone differs from them for K > 4096), unchunked
+    one-row, then ever smaller K-chunks. The layer keeps it."""
     generator = torch.Generator().manual_seed(0)
+    layer.row_block = layer.prompt_block = None
+    if few_rows and mkl_blocks_preferred(layer.weight):
+        setting = mkl_block_setting(layer, generator)
+        if setting is not None:
+            _apply(layer, setting)
+            return setting
     in_features = layer.weight.shape[1]
     chunkings = [()] + [even_chunks(in_features, limit) for limit in CHUNK_LIMITS if in_features > limit]
     candidates = [(True, ())] if onednn_available(layer.weight) else []
     candidates += [(False, chunks) for chunks in chunkings]
-    layer.row_block = layer.prompt_block = None
     for onednn, chunks in candidates:
         exact = {}
         for min_rows in (2, 1):
@@ -126,6 +134,44 @@ def find_row_exact_setting(layer: SkinnyLinear) -> LinearSetting | None:
             return setting
     _apply(layer, None)
     return None
+
+
+def mkl_blocks_preferred(weight: torch.Tensor) -> bool:
+    """Can MKL's ``x @ W.T`` in row blocks be tried first for this weight, for a model that
+    runs few rows a forward (``CausalLM.few_rows``): float32 on an AVX512 CPU?
+
+    Measured on the Xeon without native bf16 (AVX512), smollm2's float32 shapes: MKL gives a
+    row one set of bits in every product of 2..3 rows (576-wide outputs) or 2..15 rows (the
+    rest), one row alone other bits, and more rows others again. For 1-2 rows it is 2-3x
+    faster than oneDNN's inner product (2 rows of [1536 x 576]: 94 against 256 µs; the LM
+    head 5.6 against 8.9 ms), even at 4-8, and 1.5-2x slower from 16 rows (blocks of 15; the
+    LM head over 64 rows 121 against 23 ms). The engine's one-token step went from 86 to
+    53 ms and a 64-row forward from 236 to 456 ms: the choice for one sequence at a time, not
+    for a server's packed steps. On the AVX2 EPYC ``x @ W.T`` with few rows was the slow
+    form (module doc of ``decoding/linears.py``), so it is not tried there: a fixed rule by
+    CPU and by how the model is used, never a timing (the kernels round apart).
+    """
+    capability = torch.backends.cpu.get_cpu_capability() if weight.device.type == "cpu" else ""
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and capability.startswith("AVX512")
+
+
+def mkl_block_setting(layer: SkinnyLinear, generator: torch.Generator) -> LinearSetting | None:
+    """``x @ W.T`` with single rows padded to two, in blocks of the most rows (up to
+    ``ROW_BLOCK``) for which every product of 2..n rows gives each row, at every place,
+    the bits of that row computed alone; None if not even two rows do. Every row count is
+    probed, not a few: MKL switches kernels at counts a sparse probe would miss."""
+    _apply(layer, LinearSetting(2, (), False, activation_major=True))
+    x = torch.randn(ROW_BLOCK, layer.weight.shape[1], generator=generator)
+    x = x.to(layer.weight.device, layer.weight.dtype)
+    alone = torch.cat([layer._padded_product(x[row : row + 1]) for row in range(ROW_BLOCK)])
+    block = 1
+    while block < ROW_BLOCK and torch.equal(layer._product(x[: block + 1]), alone[: block + 1]):
+        block += 1
+    if block < 2:
+        return None
+    unpadded = torch.equal(layer._product(x[:1]), alone[:1])
+    prompt_block = PROMPT_BLOCK if prompt_block_is_exact(layer, generator) else None
+    return LinearSetting(2, (), unpadded, False, block, prompt_block, activation_major=True)
 
 
 def prompt_block_is_exact(layer: SkinnyLinear, generator: torch.Generator) -> bool:
@@ -144,9 +190,11 @@ def _apply(layer: SkinnyLinear, setting: LinearSetting | None) -> None:
     if setting is None:
         layer.onednn, layer.k_chunks, layer.min_rows = False, (), 1
         layer.row_block = layer.prompt_block = None
+        layer.activation_major = False
     else:
         layer.onednn, layer.k_chunks, layer.min_rows = setting.onednn, setting.k_chunks, setting.min_rows
         layer.row_block, layer.prompt_block = setting.row_block, setting.prompt_block
+        layer.activation_major = setting.activation_major
 
 
 def find_row_exact_chunking(layer: SkinnyLinear) -> tuple[tuple[int, int], ...] | None:
@@ -156,22 +204,46 @@ def find_row_exact_chunking(layer: SkinnyLinear) -> tuple[tuple[int, int], ...] 
 
 
 @torch.inference_mode()
-def make_linears_row_exact(model: torch.nn.Module) -> bool:
-    """Give every SkinnyLinear the setting that makes it row-exact; False if one has none."""
+def make_linears_row_exact(model: torch.nn.Module, few_rows: bool = False) -> bool:
+    """Give every SkinnyLinear the setting that makes it row-exact; False if one has none.
+
+    ``few_rows`` applies to every layer but the LM head: MKL's small-row kernel costs it
+    about 2.3 ms a row beyond two (smollm2's [49152 x 576] head, the AVX512 Xeon: 19 ms
+    over 9 rows against 10 through oneDNN, 38 against 11 over 16), where the other layers
+    stay within 1.2x of oneDNN up to 16 rows, so a verify would pay for the head alone."""
     layers = [module for module in model.modules() if isinstance(module, SkinnyLinear)]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for layer in layers:
-        key = (*layer.weight.shape, layer.weight.dtype, layer.weight.device.type)
+        layer_few_rows = few_rows and layer is not head
+        key = (*layer.weight.shape, layer.weight.dtype, layer.weight.device.type, layer_few_rows)
         if key not in _SETTING_BY_SHAPE:  # the kernel's order depends on shape, not values
-            _SETTING_BY_SHAPE[key] = find_row_exact_setting(layer)
+            _SETTING_BY_SHAPE[key] = find_row_exact_setting(layer, layer_few_rows)
         setting = _SETTING_BY_SHAPE[key]
         if setting is None:
             reset_linears(model)
             return False
         _apply(layer, setting)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(head, SkinnyLinear):  # it reads only the kept rows, never the prompt-row layout
         head.prompt_block = None
     return bool(layers)
+
+
+def linear_kernels(model: torch.nn.Module) -> dict[str, int]:
+    """How many linears compute each way: ``mkl_blocks``, ``onednn``, ``k_chunked``,
+    ``padded`` (row-exact, one row as two), ``any_rows`` (row-exact as is) or ``unexact``."""
+    counts: Counter[str] = Counter()
+    for layer in (module for module in model.modules() if isinstance(module, SkinnyLinear)):
+        if layer.activation_major:
+            counts["mkl_blocks"] += 1
+        elif layer.onednn:
+            counts["onednn"] += 1
+        elif layer.k_chunks:
+            counts["k_chunked"] += 1
+        elif layer.row_block is None:
+            counts["unexact"] += 1
+        else:
+            counts["padded" if layer.min_rows == 2 else "any_rows"] += 1
+    return dict(counts)
 
 
 def reset_linears(model: torch.nn.Module) -> None:
@@ -223,7 +295,7 @@ def enable_row_exact(lm: CausalLM) -> bool:
     """
     if not uses_specrag_attention(lm.model):
         return False
-    if not make_linears_row_exact(lm.model):
+    if not make_linears_row_exact(lm.model, lm.few_rows):
         return False
     if packed_matches_alone(lm):
         lm.linears_row_exact = True

@@ -82,11 +82,12 @@ class SkinnyLinear(torch.nn.Linear):
     onednn: bool = False  # row-exact float32: oneDNN's inner product (``onednn_available``)
     row_block: int | None = None  # row-exact: most rows in one product (None: any number)
     prompt_block: int | None = None  # row-exact: prompt rows per product, exactly (None: as any row)
+    activation_major: bool = False  # row-exact: ``x @ W.T`` whatever the dtype (MKL's row blocks)
 
     @property
     def weight_major(self) -> bool:
         """``(W @ x.T).T`` (float32) rather than ``x @ W.T`` (bf16, fp16): see the module doc."""
-        return self.weight.dtype == torch.float32
+        return self.weight.dtype == torch.float32 and not self.activation_major
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])

@@ -76,10 +76,19 @@ class CausalLM:
     """A causal LM (any transformers ``*ForCausalLM``) plus its tokenizer, if any."""
 
     def __init__(
-        self, model: Any, tokenizer: Any = None, name: str = "model", fast_paths: bool = True, row_exact: bool = True
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        name: str = "model",
+        fast_paths: bool = True,
+        row_exact: bool = True,
+        few_rows: bool = False,
     ) -> None:
         self.model = install_fast_paths(model.eval()) if fast_paths else model.eval()
         self.fast_paths = fast_paths
+        # Row-exact linears for forwards of few rows (one sequence at a time, short drafts)
+        # rather than a server's packed steps: decoding/batch_invariance.py, mkl_blocks_preferred.
+        self.few_rows = few_rows
         self.tokenizer = tokenizer
         self.name = name
         # True once the probes of decoding/batch_invariance.py showed that a verify forward
@@ -191,8 +200,13 @@ def load_model(
     progress: bool = True,
     fast_paths: bool = True,
     row_exact: bool = True,
+    few_rows: bool = False,
 ) -> CausalLM:
-    """Load a pack by name, a local HF folder, a ``.gguf`` file, or a hub id."""
+    """Load a pack by name, a local HF folder, a ``.gguf`` file, or a hub id.
+
+    ``few_rows``: the model will run one sequence at a time (a CLI, a single-user agent), so
+    its row-exact linears take the kernels fastest for forwards of a few rows where they
+    differ (float32 on AVX512 CPUs); a server's packed steps want the default."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = _local_folder(str(spec), progress)
@@ -204,7 +218,7 @@ def load_model(
 
     def build(torch_dtype: torch.dtype) -> CausalLM:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(target_device)
-        return CausalLM(model, tokenizer, name=name, fast_paths=fast_paths, row_exact=row_exact)
+        return CausalLM(model, tokenizer, name=name, fast_paths=fast_paths, row_exact=row_exact, few_rows=few_rows)
 
     lm = build(target_dtype)
     if config is not None and target_dtype == torch.bfloat16 and fast_paths and row_exact and not lm.row_exact:

@@ -171,7 +171,7 @@ def test_padding_where_both_ways_are_exact_is_a_fixed_rule(monkeypatch: pytest.M
     # A timed choice made plain greedy output differ between two loads of the same model.
     lm = tiny_causal_lm(vocab_size=64, seed=3, hidden_size=128, dtype=torch.float64)
     both_exact = batch_invariance.LinearSetting(2, (), padding_optional=True)
-    monkeypatch.setattr(batch_invariance, "find_row_exact_setting", lambda layer: both_exact)
+    monkeypatch.setattr(batch_invariance, "find_row_exact_setting", lambda layer, few_rows=False: both_exact)
     monkeypatch.setattr(batch_invariance, "_SETTING_BY_SHAPE", {})
     lm.row_exact = False
     batch_invariance.reset_linears(lm.model)
@@ -370,3 +370,76 @@ def test_the_product_form_follows_the_dtype(dtype: torch.dtype, rows: int) -> No
     else:
         sums = [torch.mm(part, w.t()) for w, part in parts]
     assert torch.equal(chunked(y), (sums[0].float() + sums[1].float()).to(dtype))
+
+
+def test_mkl_blocks_stop_before_the_first_row_count_that_rounds_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The block is the most rows before a kernel switch; a switch at 6 rows, a place that
+    rounds apart (the fourth row of any product), and a product whose two rows already
+    disagree give blocks of 5, 3 and none."""
+    layer = _random_linear(64, 16, torch.float64, torch.Generator().manual_seed(5))
+    generator = torch.Generator().manual_seed(0)
+
+    def real_product(self: SkinnyLinear, rows: torch.Tensor) -> torch.Tensor:  # row by row: row-exact
+        return torch.stack([self.weight @ row for row in rows])
+
+    def switches_at_six(self: SkinnyLinear, rows: torch.Tensor) -> torch.Tensor:
+        return real_product(self, rows) + (1e-9 if rows.shape[0] >= 6 else 0.0)
+
+    monkeypatch.setattr(SkinnyLinear, "_product", switches_at_six)
+    setting = batch_invariance.mkl_block_setting(layer, generator)
+    assert setting is not None and setting.row_block == 5 and setting.activation_major and setting.min_rows == 2
+
+    def fourth_row_apart(self: SkinnyLinear, rows: torch.Tensor) -> torch.Tensor:
+        out = real_product(self, rows)
+        if rows.shape[0] >= 4:
+            out[3] += 1e-9
+        return out
+
+    monkeypatch.setattr(SkinnyLinear, "_product", fourth_row_apart)
+    setting = batch_invariance.mkl_block_setting(layer, generator)
+    assert setting is not None and setting.row_block == 3
+
+    def second_row_apart(self: SkinnyLinear, rows: torch.Tensor) -> torch.Tensor:
+        out = real_product(self, rows)
+        out[1:] += 1e-9
+        return out
+
+    monkeypatch.setattr(SkinnyLinear, "_product", second_row_apart)
+    assert batch_invariance.mkl_block_setting(layer, generator) is None
+
+
+def test_mkl_blocks_are_tried_only_for_few_rows_on_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server (many rows a forward) keeps oneDNN's kernels; few rows try MKL's blocks first,
+    on AVX512 CPUs only (the CPU flag monkeypatched: the rule must hold on every machine)."""
+    tried: list[SkinnyLinear] = []
+
+    def record(layer: SkinnyLinear, generator: torch.Generator) -> None:
+        tried.append(layer)
+
+    monkeypatch.setattr(batch_invariance, "mkl_block_setting", record)
+    layer = _random_linear(96, 32, torch.float32, torch.Generator().manual_seed(6))
+    for capability, few_rows, expected in [("AVX512", False, 0), ("AVX512", True, 1), ("AVX2", True, 0)]:
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda capability=capability: capability)
+        tried.clear()
+        batch_invariance.find_row_exact_setting(layer, few_rows)
+        assert len(tried) == expected, (capability, few_rows)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert not batch_invariance.mkl_blocks_preferred(layer.weight.to(torch.bfloat16))
+
+
+def test_mkl_blocks_give_a_row_its_bits_in_any_product_where_the_probe_finds_them() -> None:
+    """The real kernels: where MKL's blocks are exact for a [1536 x 576] layer, a row of a
+    product of 40 rows (blocks and a padded remainder) has the bits of the row alone."""
+    generator = torch.Generator().manual_seed(7)
+    layer = _random_linear(576, 1536, torch.float32, generator)
+    setting = batch_invariance.mkl_block_setting(layer, generator)
+    if setting is None:
+        pytest.skip("MKL's float32 product is not row-exact in blocks on this CPU")
+    batch_invariance._apply(layer, setting)
+    x = torch.randn(40, 576, generator=generator)
+    together = layer(x)
+    assert all(torch.equal(layer(x[row : row + 1])[0], together[row]) for row in range(40))
+    torch.testing.assert_close(together, x @ layer.weight.T, atol=1e-3, rtol=0)
+    assert batch_invariance.linear_kernels(torch.nn.Sequential(layer)) == {"mkl_blocks": 1}
+    batch_invariance.reset_linears(torch.nn.Sequential(layer))
+    assert not layer.activation_major and batch_invariance.linear_kernels(torch.nn.Sequential(layer)) == {"unexact": 1}

@@ -82,7 +82,9 @@ def test_quick_benchmark_writes_json_and_plot(smollm2: CausalLM, tmp_path: Path)
     for result in report["results"]:
         assert keys <= set(result)
         assert result["identical_to_plain"] is True  # greedy, float32
+        assert result["target_calls"] >= 1  # transformers' forwards are counted too
     assert plot_path.stat().st_size > 10_000
+    assert sum(report["linears"].values()) == 211  # smollm2: 30 layers of 7, and the LM head
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from specrag.decoding.batch_invariance import linear_kernels
 from specrag.decoding.model import load_model
 from specrag.decoding.policy import PolicyConfig
 from specrag.decoding.sampling import SamplingParams
@@ -154,13 +155,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (0: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature)")
     parser.add_argument("--quick", action="store_true", help="one workload, one repeat, a few tokens")
+    parser.add_argument(
+        "--few-rows",
+        action="store_true",
+        help="load the model with few_rows: row-exact linears for one sequence at a time (load_model)",
+    )
     parser.add_argument("--json", dest="json_path", help="write the results as JSON here")
     parser.add_argument("--plot", dest="plot_path", help="write a PNG: speed-ups and accepted lengths")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = load_model(args.model, dtype=args.dtype)
-    draft = load_model(args.draft, dtype=args.dtype) if args.draft else None
+    target = load_model(args.model, dtype=args.dtype, few_rows=args.few_rows)
+    draft = load_model(args.draft, dtype=args.dtype, few_rows=args.few_rows) if args.draft else None
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p)
     runner = MethodRunner(target, draft, args.gamma, args.draft_gamma, policy_config(args.policy), sampling)
     methods = args.method or [method for method in METHODS if draft is not None or method not in runner.needs_draft]
@@ -178,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "draft": args.draft,
         "dtype": str(target.dtype),
+        "linears": linear_kernels(target.model),
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "seeds": f"0..{repeats - 1}"},
         "repeats": repeats,
         "results": results,
@@ -186,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     if not sampling.greedy:
         decoding = f"sampled at T={args.temperature}, top-p {args.top_p}, seeds 0..{repeats - 1}"
     print(f"model {args.model} ({target.dtype}), draft {args.draft}, {repeats} repeat(s), medians, {decoding}")
+    print(f"linears: {info['linears']}")
     print_table(results)
     write_outputs(info, args.json_path, args.plot_path, lambda path: plot(results, path))
     return 0

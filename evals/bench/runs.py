@@ -35,6 +35,7 @@ class Run:
     seconds: float
     ttft: float  # seconds until the first output token
     stats: GenerationStats | None = None
+    forward_calls: int | None = None  # transformers' methods: target forwards, prefill included
 
     def decode_tokens_per_s(self) -> float:
         """Tokens after the first per second after the method's own prefill and first token.
@@ -145,6 +146,12 @@ class MethodRunner:
             assert self.draft is not None
             extra["assistant_model"] = self.draft.model
 
+        forward_calls = 0
+
+        def count_forward(*_: object) -> None:
+            nonlocal forward_calls
+            forward_calls += 1
+
         def generate(new_tokens: int) -> tuple[list[int], float]:
             torch.manual_seed(seed)
             start = time.perf_counter()
@@ -160,8 +167,13 @@ class MethodRunner:
             return output[0, len(prompt) :].tolist(), time.perf_counter() - start
 
         _, ttft = generate(1)  # the same call's prefill and first token
-        output, seconds = generate(max_tokens)
-        return Run(prompt, output, seconds, ttft)
+        # Counted around the timed call only; a hook costs a Python call per forward.
+        hook = self.target.model.register_forward_pre_hook(count_forward)
+        try:
+            output, seconds = generate(max_tokens)
+        finally:
+            hook.remove()
+        return Run(prompt, output, seconds, ttft, forward_calls=forward_calls)
 
 
 def machine() -> dict[str, object]:
@@ -212,6 +224,11 @@ def _speculation_summary(stats: list[GenerationStats]) -> dict[str, Any]:
     }
 
 
+def _forward_calls(counts: list[int]) -> dict[str, Any]:
+    """transformers' target forwards, prefill included, as ``target_calls`` is for ours."""
+    return {"target_calls": statistics.median(counts)} if counts else {}
+
+
 def _decode_seconds(stat: GenerationStats) -> float:
     stages = ("decode", "draft", "verify", "accept", "grammar", "rollback")
     return sum(getattr(stat, f"{stage}_s") for stage in stages) or 1.0
@@ -244,6 +261,7 @@ def summarise(rows: list[Row], runner: MethodRunner) -> list[dict[str, Any]]:
                 "identical_to_plain": None if sampled else different is None,
                 "first_divergence": divergence,
                 **_speculation_summary([run.stats for run in runs if run.stats is not None]),
+                **_forward_calls([run.forward_calls for run in runs if run.forward_calls is not None]),
             }
         )
     return results

@@ -445,6 +445,20 @@ MUTATIONS = (
         '"tool_call_id": ""',
         ("tests/test_remote_engine.py",),
     ),
+    Mutation(
+        "mkl_block_probe_checks_the_first_row_only",
+        "decoding/batch_invariance.py",
+        "while block < ROW_BLOCK and torch.equal(layer._product(x[: block + 1]), alone[: block + 1]):",
+        "while block < ROW_BLOCK and torch.equal(layer._product(x[: block + 1])[:1], alone[:1]):",
+        ("tests/test_batch_invariance.py",),
+    ),
+    Mutation(
+        "mkl_blocks_for_a_server",
+        "decoding/batch_invariance.py",
+        "    if few_rows and mkl_blocks_preferred(layer.weight):",
+        "    if mkl_blocks_preferred(layer.weight):",
+        ("tests/test_batch_invariance.py",),
+    ),
 )
 
 
