@@ -143,16 +143,16 @@ def mkl_blocks_preferred(weight: torch.Tensor) -> bool:
     Measured on the Xeon without native bf16 (AVX512), smollm2's float32 shapes: MKL gives a
     row one set of bits in every product of 2..3 rows (576-wide outputs) or 2..15 rows (the
     rest), one row alone other bits, and more rows others again. For 1-2 rows it is 2-3x
-    faster than oneDNN's inner product (2 rows of [1536 x 576]: 94 against 256 µs; the LM
+    faster than oneDNN's inner product (2 rows of [576 x 1536]: 94 against 256 µs; the LM
     head 5.6 against 8.9 ms), even at 4-8, and 1.5-2x slower from 16 rows (blocks of 15; the
-    LM head over 64 rows 121 against 23 ms). The engine's one-token step went from 86 to
-    53 ms and a 64-row forward from 236 to 456 ms: the choice for one sequence at a time, not
-    for a server's packed steps. On the AVX2 EPYC ``x @ W.T`` with few rows was the slow
+    LM head over 64 rows 121 against 23 ms). With the head left on oneDNN, the engine's
+    one-token step went from 86 to 58 ms and a 64-row forward from 236 to 463 ms: the choice
+    for one sequence at a time, not for a server's packed steps. On the AVX2 EPYC ``x @ W.T`` with few rows was the slow
     form (module doc of ``decoding/linears.py``), so it is not tried there: a fixed rule by
     CPU and by how the model is used, never a timing (the kernels round apart).
     """
-    capability = torch.backends.cpu.get_cpu_capability() if weight.device.type == "cpu" else ""
-    return weight.dtype == torch.float32 and weight.device.type == "cpu" and capability.startswith("AVX512")
+    on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
+    return on_cpu and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def mkl_block_setting(layer: SkinnyLinear, generator: torch.Generator) -> LinearSetting | None:
