@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specrag.decoding.fast_paths import uses_specrag_attention
-from specrag.decoding.linears import SkinnyLinear, even_chunks, onednn_available
+from specrag.decoding.linears import SkinnyLinear, even_chunks, onednn_available, pack_for_onednn
 
 if TYPE_CHECKING:
     from specrag.decoding.model import CausalLM
@@ -84,6 +84,7 @@ class LinearSetting:
     row_block: int | None = None
     prompt_block: int | None = None
     activation_major: bool = False  # MKL's ``x @ W.T`` in blocks of ``row_block`` rows
+    onednn_packed: bool = False  # with ``onednn``: the weight reordered once (``pack_for_onednn``)
 
 
 _SETTING_BY_SHAPE: dict[tuple[int, int, torch.dtype, str, bool], LinearSetting | None] = {}
@@ -119,21 +120,39 @@ def find_row_exact_setting(layer: SkinnyLinear, few_rows: bool = False) -> Linea
             return setting
     in_features = layer.weight.shape[1]
     chunkings = [()] + [even_chunks(in_features, limit) for limit in CHUNK_LIMITS if in_features > limit]
-    candidates = [(True, ())] if onednn_available(layer.weight) else []
-    candidates += [(False, chunks) for chunks in chunkings]
-    for onednn, chunks in candidates:
+    onednn = onednn_available(layer.weight)
+    candidates = [(True, (), True)] if onednn and onednn_packing_preferred(layer.weight) else []
+    candidates += [(True, (), False)] if onednn else []
+    candidates += [(False, chunks, False) for chunks in chunkings]
+    for onednn, chunks, packed in candidates:
         exact = {}
         for min_rows in (2, 1):
-            layer.onednn, layer.k_chunks, layer.min_rows = onednn, chunks, min_rows
+            _apply(layer, LinearSetting(min_rows, chunks, False, onednn, onednn_packed=packed))
             exact[min_rows] = linear_rows_are_exact(layer, generator)
         if exact[2] or exact[1]:
             layer.min_rows = 2 if exact[2] else 1
             prompt_block = PROMPT_BLOCK if prompt_block_is_exact(layer, generator) else None
-            setting = LinearSetting(layer.min_rows, chunks, exact[2] and exact[1], onednn, ROW_BLOCK, prompt_block)
+            setting = LinearSetting(
+                layer.min_rows, chunks, exact[2] and exact[1], onednn, ROW_BLOCK, prompt_block, onednn_packed=packed
+            )
             _apply(layer, setting)
             return setting
     _apply(layer, None)
     return None
+
+
+def onednn_packing_preferred(weight: torch.Tensor) -> bool:
+    """Is oneDNN's product with the weight reordered once (``linears.pack_for_onednn``)
+    tried before its per-call reorder: float32 on an AVX512 CPU?
+
+    Measured on the Xeon without native bf16 (AVX512): packed, a row got the same bits in
+    every product of 2..40 rows for every smollm2 and Qwen 0.5B shape, and smollm2's
+    row-exact step cost 48 ms against 62 (the 9-token verify 63 against 74;
+    ``python -m specrag.evals.bench.forward --model smollm2-135m --dtype float32``). On the
+    AVX2 EPYC neither form was measured packed, and oneDNN's float32 product was not
+    row-exact there: a CPU rule, never a timing, until that machine is measured."""
+    on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
+    return on_cpu and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def mkl_blocks_preferred(weight: torch.Tensor) -> bool:
@@ -187,6 +206,11 @@ def prompt_block_is_exact(layer: SkinnyLinear, generator: torch.Generator) -> bo
 
 
 def _apply(layer: SkinnyLinear, setting: LinearSetting | None) -> None:
+    packed = setting is not None and setting.onednn and setting.onednn_packed
+    if not packed:
+        _unpack(layer)
+    elif layer.packed_weight is None:  # a layer's weight never changes once loaded
+        layer.packed_weight = pack_for_onednn(layer.weight)
     if setting is None:
         layer.onednn, layer.k_chunks, layer.min_rows = False, (), 1
         layer.row_block = layer.prompt_block = None
@@ -195,6 +219,42 @@ def _apply(layer: SkinnyLinear, setting: LinearSetting | None) -> None:
         layer.onednn, layer.k_chunks, layer.min_rows = setting.onednn, setting.k_chunks, setting.min_rows
         layer.row_block, layer.prompt_block = setting.row_block, setting.prompt_block
         layer.activation_major = setting.activation_major
+
+
+def unpack_onednn_weights(model: torch.nn.Module) -> None:
+    """oneDNN's layers back to the reorder per call (their weights restored): for timing the
+    two forms side by side (``evals/bench/forward.py``); the probes chose the packed one."""
+    for layer in (module for module in model.modules() if isinstance(module, SkinnyLinear)):
+        _unpack(layer)
+
+
+def _unpack(layer: SkinnyLinear) -> None:
+    """Drop the packed copy, first restoring a released weight from it (a reorder: the
+    same values)."""
+    if layer.packed_weight is None:
+        return
+    if layer.weight.numel() == 0:  # released by release_dense_weights
+        layer.weight.data = layer.packed_weight.to_dense()
+    layer.packed_weight = None
+
+
+def release_dense_weights(model: torch.nn.Module) -> int:
+    """Free the plain weight of every layer that computes from its packed copy alone, so a
+    packed model takes the memory of one copy, not two; returns how many were freed.
+
+    The LM head keeps its weight (``vocab_size`` reads its shape; smollm2's and the Qwen
+    models' head is the embedding table too), as does any weight another module shares.
+    ``_unpack`` restores a freed weight if the layer ever leaves the packed kernel."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    uses = Counter(id(parameter) for module in model.modules() for parameter in module.parameters(recurse=False))
+    freed = 0
+    for layer in (module for module in model.modules() if isinstance(module, SkinnyLinear)):
+        if layer is head or layer.packed_weight is None or uses[id(layer.weight)] > 1:
+            continue
+        if layer.weight.numel():
+            layer.weight.data = layer.weight.new_empty(0)
+            freed += 1
+    return freed
 
 
 def find_row_exact_chunking(layer: SkinnyLinear) -> tuple[tuple[int, int], ...] | None:
@@ -211,6 +271,7 @@ def make_linears_row_exact(model: torch.nn.Module, few_rows: bool = False) -> bo
     about 2.3 ms a row beyond two (smollm2's [49152 x 576] head, the AVX512 Xeon: 19 ms
     over 9 rows against 10 through oneDNN, 38 against 11 over 16), where the other layers
     stay within 1.2x of oneDNN up to 16 rows, so a verify would pay for the head alone."""
+    reset_linears(model)  # a weight released by an earlier call comes back first
     layers = [module for module in model.modules() if isinstance(module, SkinnyLinear)]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for layer in layers:
@@ -229,14 +290,14 @@ def make_linears_row_exact(model: torch.nn.Module, few_rows: bool = False) -> bo
 
 
 def linear_kernels(model: torch.nn.Module) -> dict[str, int]:
-    """How many linears compute each way: ``mkl_blocks``, ``onednn``, ``k_chunked``,
+    """How many linears compute each way: ``mkl_blocks``, ``onednn_packed``, ``onednn``, ``k_chunked``,
     ``padded`` (row-exact, one row as two), ``any_rows`` (row-exact as is) or ``unexact``."""
     counts: Counter[str] = Counter()
     for layer in (module for module in model.modules() if isinstance(module, SkinnyLinear)):
         if layer.activation_major:
             counts["mkl_blocks"] += 1
         elif layer.onednn:
-            counts["onednn"] += 1
+            counts["onednn" if layer.packed_weight is None else "onednn_packed"] += 1
         elif layer.k_chunks:
             counts["k_chunked"] += 1
         elif layer.row_block is None:
@@ -300,9 +361,11 @@ def enable_row_exact(lm: CausalLM) -> bool:
     if packed_matches_alone(lm):
         lm.linears_row_exact = True
         if lm.dtype not in TIE_PRONE_DTYPES:
+            release_dense_weights(lm.model)
             return False
         lm.row_exact = True
         if verify_matches_steps(lm):
+            release_dense_weights(lm.model)
             return True
     lm.row_exact = lm.linears_row_exact = False
     reset_linears(lm.model)

@@ -30,7 +30,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PROMPT_ROWS", "PromptRows", "SkinnyLinear", "even_chunks", "onednn_available"]
+__all__ = ["PROMPT_ROWS", "PromptRows", "SkinnyLinear", "even_chunks", "onednn_available", "pack_for_onednn"]
+
+# The row count oneDNN is told to expect when it reorders a weight (``pack_for_onednn``).
+# Measured on the AVX512 Xeon without native bf16, float32, every hint from 4 to 256 gave
+# the same speed within noise for 1..32 rows and a row the same bits in every product of
+# 2..40 rows; a hint of 1 gave the slow unpacked kernel. A fixed value: the layout decides
+# the rounding, so it must never follow a timing.
+ONEDNN_ROWS_HINT = 16
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,7 @@ class SkinnyLinear(torch.nn.Linear):
     k_chunks: tuple[tuple[int, int], ...] = ()
     min_rows: int = 1
     onednn: bool = False  # row-exact float32: oneDNN's inner product (``onednn_available``)
+    packed_weight: torch.Tensor | None = None  # with ``onednn``: the weight in oneDNN's own layout
     row_block: int | None = None  # row-exact: most rows in one product (None: any number)
     prompt_block: int | None = None  # row-exact: prompt rows per product, exactly (None: as any row)
     activation_major: bool = False  # row-exact: ``x @ W.T`` whatever the dtype (MKL's row blocks)
@@ -126,7 +134,8 @@ class SkinnyLinear(torch.nn.Linear):
         if self.k_chunks:
             return self._chunked_product(rows)
         if self.onednn:
-            return torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
+            weight = self.weight if self.packed_weight is None else self.packed_weight
+            return torch.ops.mkldnn._linear_pointwise(rows, weight, self.bias, "none", [], "")
         if not self.weight_major:
             return F.linear(rows, self.weight, self.bias)
         # The bias goes inside the GEMM (addmm), rounded once with the product as F.linear
@@ -170,6 +179,18 @@ def onednn_available(weight: torch.Tensor) -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
+
+
+def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` reordered once into oneDNN's blocked layout, for ``_linear_pointwise``.
+
+    Unpacked, oneDNN reorders the weight on every call: on the AVX512 Xeon without native
+    bf16 that made 2 rows 1.6-3.4x slower than packed for smollm2's and the 0.5B's shapes
+    (``python -m specrag.evals.bench.matmul --kernels``), and smollm2's whole row-exact
+    step cost 62 ms against 48 packed (``evals/bench/forward.py``). Packed, a row had the
+    same bits in every product of 2..40 rows there. The copy is extra memory, the size of
+    the weight. ``decoding/batch_invariance.py`` probes it before use."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_ROWS_HINT)
 
 
 def even_chunks(length: int, max_chunk: int) -> tuple[tuple[int, int], ...]:

@@ -203,6 +203,67 @@ def test_a_float32_layer_is_row_exact_through_onednn_and_mkl_alone_is_not() -> N
     assert not layer.onednn and layer.min_rows == 1
 
 
+def test_onednn_packs_the_weight_once_where_that_stays_row_exact() -> None:
+    """The reordered weight is tried before oneDNN's per-call reorder (the same product,
+    faster on few rows) and kept only by the probe; reset gives its memory back."""
+    generator = torch.Generator().manual_seed(5)
+    layer = _random_linear(576, 1536, torch.float32, generator, bias=True)
+    if not linears.onednn_available(layer.weight):
+        pytest.skip("this torch has no oneDNN inner product")
+    setting = batch_invariance.find_row_exact_setting(layer)
+    if setting is None or not setting.onednn_packed:
+        pytest.skip("oneDNN's packed float32 product is not row-exact on this CPU")
+    assert layer.packed_weight is not None and layer.onednn
+    x = torch.randn(33, 576, generator=generator)
+    together = layer(x)
+    assert all(torch.equal(layer(x[row : row + 1])[0], together[row]) for row in range(33))
+    torch.testing.assert_close(together, x @ layer.weight.T + layer.bias, atol=1e-3, rtol=0)
+    assert batch_invariance.linear_kernels(torch.nn.Sequential(layer)) == {"onednn_packed": 1}
+    batch_invariance.reset_linears(torch.nn.Sequential(layer))
+    assert layer.packed_weight is None and not layer.onednn
+
+
+def test_a_packed_model_keeps_one_copy_of_each_weight_and_gets_it_back_on_reset() -> None:
+    """smollm2 in float32: the packed layers free their plain weights (the tied head keeps
+    its own), the logits do not change, and a reset restores every weight bit for bit."""
+    lm = load_model("smollm2-135m", dtype="float32", progress=False)
+    layers = _linears(lm.model)
+    if not any(layer.packed_weight is not None for layer in layers):
+        pytest.skip("oneDNN's packed float32 product is not used on this CPU")
+    head = lm.model.get_output_embeddings()
+    assert head.weight.numel() and head.weight is lm.model.get_input_embeddings().weight
+    released = [layer for layer in layers if layer is not head]
+    assert released and all(layer.weight.numel() == 0 for layer in released)
+    expected = {id(layer): layer.packed_weight.to_dense() for layer in released}
+    tokens = list(range(5, 17))
+    before = lm.forward(lm.new_kv(), tokens)
+    batch_invariance.make_linears_row_exact(lm.model)  # again: the weights come back first
+    assert torch.equal(lm.forward(lm.new_kv(), tokens), before)
+    batch_invariance.reset_linears(lm.model)
+    assert all(layer.packed_weight is None for layer in layers)
+    assert all(torch.equal(layer.weight, expected[id(layer)]) for layer in released)
+
+
+def test_a_packed_kernel_that_rounds_by_the_row_count_falls_back_to_the_reorder_per_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    generator = torch.Generator().manual_seed(6)
+    layer = _random_linear(576, 1536, torch.float32, generator)
+    if not linears.onednn_available(layer.weight):
+        pytest.skip("this torch has no oneDNN inner product")
+    product = SkinnyLinear._product
+
+    def packed_rounds_apart_from_17_rows(self: SkinnyLinear, rows: torch.Tensor) -> torch.Tensor:
+        out = product(self, rows)
+        return out + 1e-6 * out.abs() if self.packed_weight is not None and rows.shape[0] >= 17 else out
+
+    monkeypatch.setattr(SkinnyLinear, "_product", packed_rounds_apart_from_17_rows)
+    setting = batch_invariance.find_row_exact_setting(layer)
+    if setting is None:
+        pytest.skip("oneDNN's float32 product is not row-exact on this CPU")
+    assert setting.onednn and not setting.onednn_packed and layer.packed_weight is None
+
+
 def test_the_packed_probe_catches_sequences_that_see_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
     lm = tiny_causal_lm(vocab_size=64, seed=3, hidden_size=128, dtype=torch.float32)
     if not lm.linears_row_exact:
@@ -425,6 +486,27 @@ def test_mkl_blocks_are_tried_only_for_few_rows_on_avx512(monkeypatch: pytest.Mo
         assert len(tried) == expected, (capability, few_rows)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     assert not batch_invariance.mkl_blocks_preferred(layer.weight.to(torch.bfloat16))
+
+
+def test_onednn_packing_is_tried_on_avx512_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU flag monkeypatched, so the rule holds whatever this machine is."""
+    tried: list[bool] = []
+
+    def record(layer: SkinnyLinear, generator: torch.Generator) -> bool:
+        tried.append(layer.packed_weight is not None)
+        return False
+
+    monkeypatch.setattr(batch_invariance, "linear_rows_are_exact", record)
+    monkeypatch.setattr(batch_invariance, "onednn_available", lambda weight: True)
+    monkeypatch.setattr(batch_invariance, "pack_for_onednn", lambda weight: weight.clone())
+    layer = _random_linear(96, 32, torch.float32, torch.Generator().manual_seed(6))
+    for capability, packed_tries in [("AVX512", 2), ("AVX512_BF16", 2), ("AVX2", 0), ("DEFAULT", 0)]:
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda capability=capability: capability)
+        tried.clear()
+        assert batch_invariance.find_row_exact_setting(layer) is None
+        assert sum(tried) == packed_tries and len(tried) > packed_tries, capability  # then unpacked, chunked
+        assert layer.packed_weight is None
+    assert not batch_invariance.onednn_packing_preferred(layer.weight.to(torch.bfloat16))
 
 
 def test_mkl_blocks_give_a_row_its_bits_in_any_product_where_the_probe_finds_them() -> None:

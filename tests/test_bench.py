@@ -137,3 +137,14 @@ def test_the_serving_benchmark_sends_a_users_earlier_questions_and_asks_for_tree
     assert all(body["speculation"] == "auto" and body["draft_tree_nodes"] > 0 for body in bodies.values())
     chains = bench_serve.request_bodies(["rag_quote"], 16, "auto")["rag_quote"]
     assert chains["speculation"] == "auto" and chains["draft_tree_nodes"] == 0
+
+
+def test_kernel_table_times_each_float32_kernel_and_names_the_row_counts_that_round_apart(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from specrag.evals.bench import matmul
+
+    assert matmul.main(["--kernels", "--shape", "64x48", "--repeats", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 64x48 |")]
+    assert [row.split(" | ")[1] for row in rows] == ["mkl", "onednn", "onednn packed"]
+    assert all(len(row.split(" | ")) == 2 + len(matmul.KERNEL_ROWS) + 1 for row in rows)

@@ -7,7 +7,9 @@ For k in {1, 2, 4, 8, 9, 16}, each dtype and each context length, median millise
 a forward with the stock transformers paths (``F.linear``, repeated KV heads,
 ``torch.cat`` cache), with specrag's CPU fast paths (``decoding/fast_paths.py``,
 ``decoding/kv.py``), and with the fast paths in row-exact mode (``decoding/
-batch_invariance.py``; only where its probes pass on this machine). The configurations
+batch_invariance.py``; only where its probes pass on this machine; in float32 the
+linears alone are row-exact, with oneDNN's weights packed once and, for comparison,
+reordered on every call, and as loaded with ``few_rows``). The configurations
 alternate within each repeat, so machine drift hits all alike. The ``k=9 / k=1`` column
 is what one verify of γ = 8 costs in plain steps.
 """
@@ -22,6 +24,8 @@ import time
 
 import torch
 
+from specrag.decoding.batch_invariance import unpack_onednn_weights
+from specrag.decoding.linears import SkinnyLinear
 from specrag.decoding.model import CausalLM, load_model
 
 TOKEN_COUNTS = (1, 2, 4, 8, 9, 16)
@@ -69,7 +73,22 @@ def _configurations(model: str, dtype: str) -> dict[str, CausalLM]:
     exact = load_model(model, dtype=dtype, progress=False)
     if exact.row_exact:
         configurations["row-exact"] = exact
+    elif exact.linears_row_exact:
+        configurations["exact linears"] = exact
+    if any(layer.packed_weight is not None for layer in _linears(exact)):
+        # The same kernels with oneDNN reordering the weight on every call, as before
+        # linears.pack_for_onednn: row-exact alike, so only the time differs.
+        unpacked = load_model(model, dtype=dtype, progress=False)
+        unpack_onednn_weights(unpacked.model)
+        configurations["exact linears, unpacked"] = unpacked
+    few_rows = load_model(model, dtype=dtype, progress=False, few_rows=True)
+    if any(layer.activation_major for layer in _linears(few_rows)):
+        configurations["exact linears, few rows"] = few_rows  # MKL's row blocks (load_model)
     return configurations
+
+
+def _linears(model: CausalLM) -> list[SkinnyLinear]:
+    return [module for module in model.model.modules() if isinstance(module, SkinnyLinear)]
 
 
 def _measure(configurations: dict[str, CausalLM], context_len: int, repeats: int) -> None:

@@ -459,6 +459,27 @@ MUTATIONS = (
         "    if mkl_blocks_preferred(layer.weight):",
         ("tests/test_batch_invariance.py",),
     ),
+    Mutation(
+        "packed_onednn_weight_trusted_unprobed",
+        "decoding/batch_invariance.py",
+        "            exact[min_rows] = linear_rows_are_exact(layer, generator)",
+        "            exact[min_rows] = packed or linear_rows_are_exact(layer, generator)",
+        ("tests/test_batch_invariance.py",),
+    ),
+    Mutation(
+        "released_weight_not_restored_on_unpack",
+        "decoding/batch_invariance.py",
+        "    if layer.weight.numel() == 0:  # released by release_dense_weights",
+        "    if False:  # released by release_dense_weights",
+        ("tests/test_batch_invariance.py",),
+    ),
+    Mutation(
+        "packed_onednn_copy_kept_after_reset",
+        "decoding/batch_invariance.py",
+        "        layer.weight.data = layer.packed_weight.to_dense()\n    layer.packed_weight = None",
+        "        layer.weight.data = layer.packed_weight.to_dense()",
+        ("tests/test_batch_invariance.py",),
+    ),
 )
 
 
