@@ -274,8 +274,9 @@ class Engine:
         finally:
             self._packing = False
         if self.cost_model is not None and batch.packed_seconds is not None:
-            # A forward over T tokens, whoever's they were: the curve StepLoad reads C(T) from.
-            self.cost_model.observe_forward(batch.packed_tokens, batch.packed_seconds)
+            # A forward over T tokens, whoever's they were: the curve StepLoad reads C(T) from;
+            # the trees' extra paths teach the cost per path, never that curve.
+            self.cost_model.observe(batch.packed_tokens, batch.packed_seconds, batch.packed_paths)
         events = []
         for (seq, mark, was_prefilled), result in zip(scheduled, results, strict=True):
             cycle = seq.stats.cycle_since(mark, was_prefilled)
@@ -347,7 +348,4 @@ class Engine:
     def _observe_forward(self, tokens: int, start: float, paths: int = 1) -> None:
         if self.cost_model is None or self._packing:
             return
-        if paths > 1:
-            self.cost_model.observe_tree_forward(tokens, paths, time.perf_counter() - start)
-        else:
-            self.cost_model.observe_forward(tokens, time.perf_counter() - start)
+        self.cost_model.observe(tokens, time.perf_counter() - start, paths)

@@ -146,6 +146,13 @@ class CostModel:
         slope = (self._forward[high] - self._forward[low]) / (high - low)
         return max(self._forward[low] + slope * (tokens - low), self._forward[counts[0]])
 
+    def observe(self, tokens: int, seconds: float, paths: int = 1) -> None:
+        """A target forward over ``tokens`` rows making ``paths`` root-to-leaf paths (1: chains)."""
+        if paths > 1:
+            self.observe_tree_forward(tokens, paths, seconds)
+        else:
+            self.observe_forward(tokens, seconds)
+
     def observe_forward(self, tokens: int, seconds: float) -> None:
         """EWMA for the observed k; every other k moves by the same relative step, so points
         the engine rarely runs (it mostly runs k = 1 and its current γ + 1) follow the level

@@ -81,6 +81,7 @@ class StepBatch:
         self.tokens = 0
         self.packed_seconds: float | None = None  # the shared target forward's wall time, once run
         self.packed_tokens = 0  # ... and the tokens it carried
+        self.packed_paths = 1  # ... and its root-to-leaf paths: 1 + each tree's paths beyond its first
         self._cycles: list[Cycle] = []
         self._results: dict[int, CycleResult] = {}
         self._pending: dict[int, ForwardNeed] = {}  # packed: each started cycle's next need
@@ -121,6 +122,8 @@ class StepBatch:
                 if not draft:
                     self.packed_seconds = time.perf_counter() - start
                     self.packed_tokens = sum(len(chunk.token_ids) for chunk in chunks)
+                    trees = [need.tree for _, need in round_needs if need.tree is not None]
+                    self.packed_paths = 1 + sum(len(tree.segments) - 1 for tree in trees)
             except Exception:  # find whose forward fails: each need alone, on clean caches
                 for _, need in round_needs:
                     need.kv.discard_unrecorded()

@@ -16,7 +16,7 @@ from specrag.decoding.kv import SequenceKV
 from specrag.decoding.kv_pool import KVPool
 from specrag.decoding.model import CausalLM
 from specrag.decoding.packed import Chunk, packed_forward
-from specrag.decoding.policy import PolicyConfig
+from specrag.decoding.policy import CostModel, PolicyConfig
 from specrag.decoding.tree import path_to
 from specrag.decoding.tree_attention import TreeRows, attend_tree
 from tests.conftest import tiny_causal_lm
@@ -171,6 +171,45 @@ def test_trees_are_verified_and_their_branches_commit_tokens() -> None:
         tree_cycles += final.stats.tree_cycles
         branch_tokens += final.stats.branch_accepted_tokens
     assert tree_cycles > 0 and branch_tokens > 0
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_tree_verifies_teach_the_cost_per_path_and_never_the_chain_curve(
+    monkeypatch: pytest.MonkeyPatch, packed: bool
+) -> None:
+    """Packed or alone (``Engine.step`` packs where the model is batch-invariant), a tree
+    verify's forward refreshes ``tree_path_seconds``; only chains and plain steps move the
+    chain curve."""
+    target = tiny_causal_lm(VOCAB, seed=5, dtype=torch.float32) if packed else TARGET
+    if target.batch_invariant != packed:
+        pytest.skip("float32 linears are not row-exact on this CPU: nothing is packed")
+    observed: list[tuple[int, int]] = []
+    original = CostModel.observe
+
+    def record(self: CostModel, tokens: int, seconds: float, paths: int = 1) -> None:
+        observed.append((tokens, paths))
+        original(self, tokens, seconds, paths)
+
+    monkeypatch.setattr(CostModel, "observe", record)
+    chain_curve: list[int] = []
+    monkeypatch.setattr(CostModel, "observe_forward", lambda self, tokens, seconds: chain_curve.append(tokens))
+    tree_cycles = 0
+    for seed in range(0, 12, 2):  # two requests at a time: a step packs only several sequences
+        cost = CostModel({1: 0.01, 16: 0.02})
+        policy = PolicyConfig(tree_nodes=12)
+        engine = Engine(target, cost_model=cost, min_ngram=1, max_ngram=3, policy=policy, kv_cache_bytes=SMALL_POOL)
+        options = dict(max_tokens=24, speculation="on", num_speculative_tokens=4, stop_token_ids=[])
+        for prompt, passages in (branching_prompt(seed, 48), branching_prompt(seed + 1, 40)):
+            engine.add(GenerationRequest(prompt, lookup_sources=passages, **options))
+        while engine.has_unfinished():
+            for event in engine.step():
+                if event.finished:
+                    tree_cycles += event.stats.tree_cycles
+    trees = [tokens for tokens, paths in observed if paths > 1]
+    # Packed: one observation per step, whose trees add their paths beyond the first. A tree
+    # draft that is a single path is observed as a chain.
+    assert tree_cycles > 0 and 0 < len(trees) <= tree_cycles
+    assert len(chain_curve) == len(observed) - len(trees)
 
 
 def test_without_tree_nodes_the_drafts_are_chains() -> None:

@@ -460,6 +460,13 @@ MUTATIONS = (
         ("tests/test_batch_invariance.py",),
     ),
     Mutation(
+        "packed_trees_feed_the_chain_curve",
+        "decoding/engine.py",
+        "self.cost_model.observe(batch.packed_tokens, batch.packed_seconds, batch.packed_paths)",
+        "self.cost_model.observe(batch.packed_tokens, batch.packed_seconds)",
+        ("tests/test_tree_verify.py",),
+    ),
+    Mutation(
         "packed_onednn_weight_trusted_unprobed",
         "decoding/batch_invariance.py",
         "            exact[min_rows] = linear_rows_are_exact(layer, generator)",
