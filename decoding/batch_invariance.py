@@ -151,8 +151,7 @@ def onednn_packing_preferred(weight: torch.Tensor) -> bool:
     ``python -m specrag.evals.bench.forward --model smollm2-135m --dtype float32``). On the
     AVX2 EPYC neither form was measured packed, and oneDNN's float32 product was not
     row-exact there: a CPU rule, never a timing, until that machine is measured."""
-    on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
-    return on_cpu and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return _float32_on_avx512(weight)
 
 
 def mkl_blocks_preferred(weight: torch.Tensor) -> bool:
@@ -170,6 +169,10 @@ def mkl_blocks_preferred(weight: torch.Tensor) -> bool:
     form (module doc of ``decoding/linears.py``), so it is not tried there: a fixed rule by
     CPU and by how the model is used, never a timing (the kernels round apart).
     """
+    return _float32_on_avx512(weight)
+
+
+def _float32_on_avx512(weight: torch.Tensor) -> bool:
     on_cpu = weight.device.type == "cpu" and weight.dtype == torch.float32
     return on_cpu and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
@@ -224,7 +227,7 @@ def _apply(layer: SkinnyLinear, setting: LinearSetting | None) -> None:
 def unpack_onednn_weights(model: torch.nn.Module) -> None:
     """oneDNN's layers back to the reorder per call (their weights restored): for timing the
     two forms side by side (``evals/bench/forward.py``); the probes chose the packed one."""
-    for layer in (module for module in model.modules() if isinstance(module, SkinnyLinear)):
+    for layer in skinny_linears(model):
         _unpack(layer)
 
 
@@ -248,7 +251,7 @@ def release_dense_weights(model: torch.nn.Module) -> int:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     uses = Counter(id(parameter) for module in model.modules() for parameter in module.parameters(recurse=False))
     freed = 0
-    for layer in (module for module in model.modules() if isinstance(module, SkinnyLinear)):
+    for layer in skinny_linears(model):
         if layer is head or layer.packed_weight is None or uses[id(layer.weight)] > 1:
             continue
         if layer.weight.numel():
@@ -272,7 +275,7 @@ def make_linears_row_exact(model: torch.nn.Module, few_rows: bool = False) -> bo
     over 9 rows against 10 through oneDNN, 38 against 11 over 16), where the other layers
     stay within 1.2x of oneDNN up to 16 rows, so a verify would pay for the head alone."""
     reset_linears(model)  # a weight released by an earlier call comes back first
-    layers = [module for module in model.modules() if isinstance(module, SkinnyLinear)]
+    layers = skinny_linears(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for layer in layers:
         layer_few_rows = few_rows and layer is not head
@@ -293,7 +296,7 @@ def linear_kernels(model: torch.nn.Module) -> dict[str, int]:
     """How many linears compute each way: ``mkl_blocks``, ``onednn_packed``, ``onednn``, ``k_chunked``,
     ``padded`` (row-exact, one row as two), ``any_rows`` (row-exact as is) or ``unexact``."""
     counts: Counter[str] = Counter()
-    for layer in (module for module in model.modules() if isinstance(module, SkinnyLinear)):
+    for layer in skinny_linears(model):
         if layer.activation_major:
             counts["mkl_blocks"] += 1
         elif layer.onednn:
@@ -308,9 +311,13 @@ def linear_kernels(model: torch.nn.Module) -> dict[str, int]:
 
 
 def reset_linears(model: torch.nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, SkinnyLinear):
-            _apply(module, None)
+    for layer in skinny_linears(model):
+        _apply(layer, None)
+
+
+def skinny_linears(model: torch.nn.Module) -> list[SkinnyLinear]:
+    """The model's linear layers that ``install_fast_paths`` made ``SkinnyLinear``."""
+    return [module for module in model.modules() if isinstance(module, SkinnyLinear)]
 
 
 @torch.inference_mode()

@@ -24,8 +24,7 @@ import time
 
 import torch
 
-from specrag.decoding.batch_invariance import unpack_onednn_weights
-from specrag.decoding.linears import SkinnyLinear
+from specrag.decoding.batch_invariance import skinny_linears, unpack_onednn_weights
 from specrag.decoding.model import CausalLM, load_model
 
 TOKEN_COUNTS = (1, 2, 4, 8, 9, 16)
@@ -75,20 +74,16 @@ def _configurations(model: str, dtype: str) -> dict[str, CausalLM]:
         configurations["row-exact"] = exact
     elif exact.linears_row_exact:
         configurations["exact linears"] = exact
-    if any(layer.packed_weight is not None for layer in _linears(exact)):
+    if any(layer.packed_weight is not None for layer in skinny_linears(exact.model)):
         # The same kernels with oneDNN reordering the weight on every call, as before
         # linears.pack_for_onednn: row-exact alike, so only the time differs.
         unpacked = load_model(model, dtype=dtype, progress=False)
         unpack_onednn_weights(unpacked.model)
         configurations["exact linears, unpacked"] = unpacked
     few_rows = load_model(model, dtype=dtype, progress=False, few_rows=True)
-    if any(layer.activation_major for layer in _linears(few_rows)):
+    if any(layer.activation_major for layer in skinny_linears(few_rows.model)):
         configurations["exact linears, few rows"] = few_rows  # MKL's row blocks (load_model)
     return configurations
-
-
-def _linears(model: CausalLM) -> list[SkinnyLinear]:
-    return [module for module in model.model.modules() if isinstance(module, SkinnyLinear)]
 
 
 def _measure(configurations: dict[str, CausalLM], context_len: int, repeats: int) -> None:
