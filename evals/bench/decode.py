@@ -81,9 +81,11 @@ def print_table(results: list[dict[str, Any]]) -> None:
     for result in results:
         calls = "-" if result["target_calls"] is None else f"{result['target_calls']:g}"
         per_call = "-" if result["committed_per_call"] is None else f"{result['committed_per_call']:.2f}"
+        speed = "-" if result["tokens_per_s"] is None else f"{result['tokens_per_s']:.2f}"
+        ratio = "-" if result["speedup_vs_plain"] is None else f"{result['speedup_vs_plain']:.2f}x"
         print(
-            f"| {result['workload']} | {result['method']} | {result['tokens_per_s']:.2f} | "
-            f"{result['speedup_vs_plain']:.2f}x | {result['ttft_s']:.2f} | {calls} | {per_call} | "
+            f"| {result['workload']} | {result['method']} | {speed} | {ratio} | {result['ttft_s']:.2f} | "
+            f"{calls} | {per_call} | "
             f"{_identical_cell(result)} |"
         )
 
@@ -100,7 +102,7 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
     width = 0.8 / len(methods)
     for index, method in enumerate(methods):
         speedups = [
-            next((r["speedup_vs_plain"] for r in results if r["workload"] == name and r["method"] == method), 0)
+            next((r["speedup_vs_plain"] for r in results if r["workload"] == name and r["method"] == method), 0) or 0
             for name in names
         ]
         bars.bar([x + index * width for x in range(len(names))], speedups, width, label=method)

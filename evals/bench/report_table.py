@@ -31,8 +31,9 @@ def table(report: dict[str, Any]) -> str:
             cells.append(f"**{cell}**" if method == "ours_auto" else cell)
         auto = rows.get("ours_auto", {}).get("committed_per_call")
         identical = "yes" if all(row["identical_to_plain"] for row in rows.values()) else "NO"
+        plain_speed = rows["plain"]["tokens_per_s"]
         lines.append(
-            f"| {workload} | {rows['plain']['tokens_per_s']:.2f} | "
+            f"| {workload} | {'-' if plain_speed is None else f'{plain_speed:.2f}'} | "
             + " | ".join(cells)
             + f" | {'-' if auto is None else f'{auto:.2f}'} | {identical} |"
         )

@@ -37,7 +37,7 @@ class Run:
     stats: GenerationStats | None = None
     forward_calls: int | None = None  # transformers' methods: target forwards, prefill included
 
-    def decode_tokens_per_s(self) -> float:
+    def decode_tokens_per_s(self) -> float | None:
         """Tokens after the first per second after the method's own prefill and first token.
 
         For our engine that is the first event (the prefill's token). transformers' assisted
@@ -46,9 +46,14 @@ class Run:
         ``max_new_tokens=1`` run of the same call. Each method's own prefill is subtracted:
         a prefill of 7k tokens varied by seconds between runs here, more than the decode
         it would otherwise be charged to.
+
+        None where there is no decode to time: an answer of one token, or (transformers'
+        methods) a sampled answer that ended within the first verified block, whose decode
+        is shorter than the prefill's noise between the two calls. Reporting 0 tok/s there
+        would read as a measured stall.
         """
         decode_seconds = self.seconds - self.ttft
-        return (len(self.output) - 1) / decode_seconds if len(self.output) > 1 and decode_seconds > 0 else 0.0
+        return (len(self.output) - 1) / decode_seconds if len(self.output) > 1 and decode_seconds > 0 else None
 
 
 @dataclass
@@ -234,13 +239,19 @@ def _decode_seconds(stat: GenerationStats) -> float:
     return sum(getattr(stat, f"{stage}_s") for stage in stages) or 1.0
 
 
+def _median_rate(runs: list[Run]) -> float | None:
+    """The median decode rate over the repeats that had a decode to time (None if none had)."""
+    rates = [rate for rate in (run.decode_tokens_per_s() for run in runs) if rate is not None]
+    return statistics.median(rates) if rates else None
+
+
 def summarise(rows: list[Row], runner: MethodRunner) -> list[dict[str, Any]]:
     plain = {row.workload: row for row in rows if row.method == "plain"}
     results = []
     for row in rows:
         reference = plain[row.workload].runs[0]
-        speed = statistics.median(run.decode_tokens_per_s() for run in row.runs)
-        plain_speed = statistics.median(run.decode_tokens_per_s() for run in plain[row.workload].runs)
+        speed = _median_rate(row.runs)
+        plain_speed = _median_rate(plain[row.workload].runs)
         different = next((run for run in row.runs if run.output != reference.output), None)
         divergence = None
         sampled = not runner.sampling.greedy  # sampled outputs differ by design: only the distribution is kept
@@ -252,8 +263,8 @@ def summarise(rows: list[Row], runner: MethodRunner) -> list[dict[str, Any]]:
             {
                 "workload": row.workload,
                 "method": row.method,
-                "tokens_per_s": round(speed, 3),
-                "speedup_vs_plain": round(speed / plain_speed, 3) if plain_speed else None,
+                "tokens_per_s": None if speed is None else round(speed, 3),
+                "speedup_vs_plain": round(speed / plain_speed, 3) if speed and plain_speed else None,
                 "end_to_end_tokens_per_s": round(statistics.median(len(r.output) / r.seconds for r in runs), 3),
                 "output_tokens": len(runs[0].output),
                 "ttft_s": round(statistics.median(run.ttft for run in runs), 3),
