@@ -49,6 +49,25 @@ def test_a_copy_that_reaches_the_end_of_the_stream_repeats_what_it_copied() -> N
     assert (draft.source, draft.tokens) == ("passage:0", [3])
 
 
+def test_the_occurrence_matched_furthest_back_wins_over_the_preferred_source() -> None:
+    """Both occurrences of [4, 5, 6] match the 3-gram; the prompt's also matches the 2, 3
+    before it, as a copy in progress does, so it is continued ahead of the output's."""
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    context = [*prompt, 20, 4, 5, 6, 9, 21, 2, 3, 4, 5, 6]
+    draft = PromptLookupDrafter(prompt, min_ngram=2, max_ngram=3).propose(context, 2)
+    assert (draft.tokens, draft.source, draft.match_ngram) == ([7, 8], "prompt", 3)
+    context[-4] = 22  # now both match 3 tokens back: the output so far is preferred again
+    draft = PromptLookupDrafter(prompt, min_ngram=2, max_ngram=3).propose(context, 2)
+    assert (draft.tokens, draft.source, draft.match_ngram) == ([9, 21], "output", 3)
+
+
+def test_a_match_is_measured_back_only_so_far() -> None:
+    text = list(range(100, 150))
+    assert lookup_module._matched_back([*text, *text[:45]], text, 45) == lookup_module.MATCH_BACK_LIMIT
+    assert lookup_module._matched_back([7, *text[:3]], text, 3) == 3  # the sequence starts there
+    assert lookup_module._matched_back([7, 101, 102], text, 3) == 2
+
+
 def test_passages_are_attributed_even_when_the_prompt_holds_the_same_text() -> None:
     passage_a, passage_b = [40, 41, 42, 43, 44], [50, 51, 52, 53]
     prompt = [1, *passage_a, *passage_b, 2, 51, 52]

@@ -6,10 +6,14 @@ prompt lookup, which rescans the whole input every step, the n-grams live in has
 indexes that are filled once (passages) or extended by the newly committed tokens
 (stream), so a lookup costs O(max_ngram) whatever the length of the sources.
 
-Match preference, longest n first; for equal n: the output so far (a repeat of what the
-model is writing), then the passages in the order given (so accepted tokens are
-attributed to a passage even when the prompt holds the same text), then the prompt.
-Within the stream the most recent occurrence wins; across passages the first one. A copy
+Match preference, longest n first; among the occurrences of that n-gram, the one whose
+match reaches furthest back (the tokens before the n-gram also agree with the context, up
+to ``MATCH_BACK_LIMIT``): a copy in progress is continued where it stands rather than
+from another occurrence of its last few tokens (smollm2's rag_branching, γ = 10: 24
+target calls -> 23, against transformers' 22). Among equal matches: the output so far (a
+repeat of what the model is writing), then the passages in the order given (so accepted
+tokens are attributed to a passage even when the prompt holds the same text), then the
+prompt. Within the stream the most recent occurrence wins; across passages the first one. A copy
 from the stream that reaches its end goes on copying the draft (``EditTracker.copy``,
 ``overlapping``): a repeated span is drafted in full, not only up to where the stream ends.
 
@@ -40,6 +44,7 @@ NO_MATCH = "none"
 HISTORY = "history"
 OCCURRENCES_PER_KEY = 4  # most recent in the stream, first in the passages
 BRANCH_TOKENS = 8  # an alternative is a branch of the tree: it needs no long tail
+MATCH_BACK_LIMIT = 32  # how far back a match is measured to rank the n-gram's occurrences
 
 # (context, most tokens, most chains) -> drafts from earlier outputs, preferred first
 HistoryLookup = Callable[[Sequence[int], int, int], list[Draft]]
@@ -108,14 +113,19 @@ class PromptLookupDrafter(FreeDrafter):
         contexts = [context, *self._edits.alternate_contexts(context)]
         chains: list[Draft] = []
         for ngram in range(min(self.max_ngram, len(context)), self.min_ngram - 1, -1):
-            for looked_up in contexts:
-                for sequence, start, source in self._lookup(tuple(looked_up[-ngram:])):
-                    limit = max_tokens if not chains else min(max_tokens, BRANCH_TOKENS)
-                    tokens = self._edits.copy(sequence, start, limit, overlapping=sequence is self._stream)
-                    if tokens and not _repeats(tokens, chains):
-                        chains.append(Draft(tokens, None, source, ngram))
-                    if len(chains) > self.branches:
-                        return chains
+            found = [
+                (_matched_back(looked_up, sequence, start), sequence, start, source)
+                for looked_up in contexts
+                for sequence, start, source in self._lookup(tuple(looked_up[-ngram:]))
+            ]
+            found.sort(key=lambda one: -one[0])  # stable: the source preference breaks ties
+            for _, sequence, start, source in found:
+                limit = max_tokens if not chains else min(max_tokens, BRANCH_TOKENS)
+                tokens = self._edits.copy(sequence, start, limit, overlapping=sequence is self._stream)
+                if tokens and not _repeats(tokens, chains):
+                    chains.append(Draft(tokens, None, source, ngram))
+                if len(chains) > self.branches:
+                    return chains
         return chains
 
     def on_commit(self, committed: Sequence[int], accepted_len: int) -> None:
@@ -148,6 +158,16 @@ class PromptLookupDrafter(FreeDrafter):
         """The n-grams (min..max n) that end just before ``position``."""
         longest = min(self.max_ngram, position)
         return [tuple(tokens[position - n : position]) for n in range(self.min_ngram, longest + 1)]
+
+
+def _matched_back(context: Sequence[int], sequence: Sequence[int], start: int) -> int:
+    """How many tokens before ``sequence[start]`` equal the end of ``context`` (at most
+    ``MATCH_BACK_LIMIT``): the length of the match, the n-gram and whatever agrees before it."""
+    limit = min(MATCH_BACK_LIMIT, start, len(context))
+    matched = 0
+    while matched < limit and sequence[start - 1 - matched] == context[-1 - matched]:
+        matched += 1
+    return matched
 
 
 def _repeats(tokens: list[int], chains: list[Draft]) -> bool:

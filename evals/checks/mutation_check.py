@@ -425,6 +425,13 @@ MUTATIONS = (
         ("tests/test_prompt_lookup.py",),
     ),
     Mutation(
+        "lookup_ignores_how_far_back_a_match_goes",
+        "decoding/drafters/prompt_lookup.py",
+        "found.sort(key=lambda one: -one[0])",
+        "found.sort(key=lambda one: 0)",
+        ("tests/test_prompt_lookup.py",),
+    ),
+    Mutation(
         "retriever_never_follows_a_rebuild",
         "retrieval/retriever.py",
         "if self.follow and time.monotonic() - self._checked_at >= FOLLOW_INTERVAL_S:",
