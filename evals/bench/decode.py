@@ -102,7 +102,7 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
     width = 0.8 / len(methods)
     for index, method in enumerate(methods):
         speedups = [
-            next((r["speedup_vs_plain"] for r in results if r["workload"] == name and r["method"] == method), 0) or 0
+            next((r["speedup_vs_plain"] or 0 for r in results if r["workload"] == name and r["method"] == method), 0)
             for name in names
         ]
         bars.bar([x + index * width for x in range(len(names))], speedups, width, label=method)
