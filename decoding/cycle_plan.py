@@ -4,11 +4,13 @@ step's shared load and token budget) and asks it for each decode cycle.
 
 Choice, per cycle: the policy's plan gives a cap on γ (0: a plain step). Each drafter
 is then considered: a free one (prompt lookup) proposes right away and is judged on its
-proposal; a costly one (a model) is judged on its estimates and drafts only once it has
-won, in lockstep with the step's other model drafters. In "auto" the best expected rate
-wins; in "on" the first drafter with a proposal. A winning draft with alternatives
-(prompt lookup's other matches, the draft model's runner-ups) grows into a tree where the
-cache can compact its accepted path.
+proposal, or on a rival of another kind of source it offers (``Draft.rivals``: lookup's
+chain against a tenant's history), whichever the estimates favour; a costly one (a
+model) is judged on its estimates and drafts only once it has won, in lockstep with the
+step's other model drafters. In "auto" the best expected rate wins; in "on" the first
+drafter with a proposal. A winning draft with alternatives (prompt lookup's other
+matches, the draft model's runner-ups) grows into a tree where the cache can compact its
+accepted path.
 """
 
 from __future__ import annotations
@@ -103,7 +105,13 @@ class CyclePlanner:
             draft = drafter.propose(seq.tokens, cap)
         if not draft.tokens:
             return Decision(0, policies.NO_PROPOSAL), None
-        return seq.policy.for_draft(draft.source, len(draft.tokens), draft.match_ngram, self.load), draft
+        best: tuple[Decision, Draft] | None = None
+        for candidate in (draft, *draft.rivals):  # the first in "on"; else the best expected rate
+            choice = seq.policy.for_draft(candidate.source, len(candidate.tokens), candidate.match_ngram, self.load)
+            if best is None or _better(choice, best[0]):
+                best = (choice, candidate)
+        assert best is not None
+        return best
 
     def _expect(self, committed: float) -> None:
         """Note what the cycle deciding now is expected to commit, for the cycles after it."""
@@ -129,3 +137,12 @@ class CyclePlanner:
             if draft.tokens and self.cost_model is not None and not self.packing:
                 self.cost_model.observe_draft_token((time.perf_counter() - start) / len(draft.tokens))
         return draft
+
+
+def _better(choice: Decision, than: Decision) -> bool:
+    """Whether ``choice`` should be verified rather than ``than``: drafting beats declining,
+    and between two drafts the higher expected rate (a probe, rate 0, loses to a draft the
+    estimates favour)."""
+    if (choice.gamma > 0) != (than.gamma > 0):
+        return choice.gamma > 0
+    return choice.rate > than.rate

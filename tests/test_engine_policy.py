@@ -148,3 +148,23 @@ def test_auto_prefers_the_drafter_with_the_better_expected_rate() -> None:
     assert output == reference
     by_source = final.stats.accepted_by_source
     assert by_source["draft_model"] > 30 and by_source["passage:0"] <= 2
+
+
+def test_a_rejected_history_gives_way_to_the_lookup_chain_it_displaced() -> None:
+    """A tenant's history that matches 4 tokens of the output and then goes wrong, against
+    a passage that matches 3 and is right: the history's longer match ranks it first, and
+    the planner must still verify the passage once the estimates say it is the better one
+    (without ``Draft.rivals`` every cycle would verify or decline the history)."""
+    prompt = list(range(40, 48))
+    reference = plain_reference(prompt, 60)
+    decoys = []
+    for position in range(4, 60):
+        decoys += [*reference[position - 4 : position], (reference[position] + 1) % VOCAB]
+    engine = Engine(TARGET, min_ngram=3, max_ngram=3, cost_model=FROZEN_COSTS, debug=True)
+    engine.history.add("tenant", decoys)
+    request = GenerationRequest(prompt, max_tokens=60, stop_token_ids=[], lookup_sources=[reference], tenant="tenant")
+    output, final = run(engine, request)
+    assert output == reference
+    by_source = final.stats.accepted_by_source
+    assert by_source["passage:0"] >= 40 and by_source["history"] <= 2
+    assert final.stats.target_calls <= 15

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specrag.decoding.drafters import PromptLookupDrafter
+from specrag.decoding.drafters import Draft, PromptLookupDrafter
 from specrag.decoding.drafters import prompt_lookup as lookup_module
 
 
@@ -149,3 +149,15 @@ def test_a_proposal_says_the_length_of_the_ngram_it_continues() -> None:
     drafter = PromptLookupDrafter([1, 2, 3, 4, 5, 9, 3, 7], min_ngram=1, max_ngram=4)
     assert drafter.propose([1, 2, 3, 4, 5, 9, 3, 7, 1, 2, 3, 4], 2).match_ngram == 4
     assert drafter.propose([1, 2, 3, 4, 5, 9, 3, 7, 8, 9], 2).match_ngram == 1  # only "9" was seen
+
+
+def test_a_history_match_carries_the_lookup_chain_as_its_rival() -> None:
+    """The longer match goes first, the best chain of the other kind of source rides along
+    as a rival for the planner to weigh; a draft with one kind of source has none."""
+    prompt = [1, 2, 3, 4, 5, 6]
+    from_history = Draft([7, 7], None, "history", 4)
+    drafter = PromptLookupDrafter(prompt, min_ngram=2, max_ngram=3, history=lambda *_: [from_history])
+    draft = drafter.propose([*prompt, 0, 2, 3], 3)
+    assert (draft.tokens, draft.source) == ([7, 7], "history")
+    assert [(rival.tokens, rival.source) for rival in draft.rivals] == [([4, 5, 6], "prompt")]
+    assert PromptLookupDrafter(prompt, min_ngram=2, max_ngram=3).propose([*prompt, 0, 2, 3], 3).rivals == []

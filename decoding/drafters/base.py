@@ -25,7 +25,10 @@ class Draft:
     ``node_sources`` names each node's source. Trees are deterministic (``probs`` None).
     ``alternatives``: other chains the drafter found (prompt lookup's other matches, the
     draft model's runner-ups), from which the policy may grow a tree
-    (``decoding/tree_sizing.py``)."""
+    (``decoding/tree_sizing.py``). ``rivals``: the best chains of other kinds of source
+    (prompt lookup's against a tenant's history), each with its own alternatives: the
+    planner verifies whichever its estimates promise the higher rate, so a source that
+    keeps being rejected cannot displace one that is accepted by matching longer."""
 
     tokens: list[int]
     probs: torch.Tensor | None
@@ -35,6 +38,7 @@ class Draft:
     node_sources: list[str] | None = None
     branch_keys: list[str] | None = None  # a tree's branch starts: the estimate each is judged by
     alternatives: list[Draft] = field(default_factory=list)
+    rivals: list[Draft] = field(default_factory=list)
 
     @property
     def is_tree(self) -> bool:

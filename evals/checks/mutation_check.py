@@ -432,6 +432,13 @@ MUTATIONS = (
         ("tests/test_prompt_lookup.py",),
     ),
     Mutation(
+        "planner_never_weighs_a_drafts_rivals",
+        "decoding/cycle_plan.py",
+        "for candidate in (draft, *draft.rivals):",
+        "for candidate in (draft,):",
+        ("tests/test_engine_policy.py::test_a_rejected_history_gives_way_to_the_lookup_chain_it_displaced",),
+    ),
+    Mutation(
         "retriever_never_follows_a_rebuild",
         "retrieval/retriever.py",
         "if self.follow and time.monotonic() - self._checked_at >= FOLLOW_INTERVAL_S:",
