@@ -35,7 +35,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from specrag.decoding.linears import SkinnyLinear
-from specrag.decoding.tree_attention import attend_tree
+from specrag.decoding.tree_attention import attend_tree, attend_tree_masked
 
 ATTENTION_NAME = "specrag_sdpa"
 # The keyword CausalLM.forward passes through transformers to the attention function when
@@ -202,7 +202,8 @@ def _attend_packed(
 ) -> torch.Tensor:
     """Each chunk's query rows attend to their own sequence's keys (``decoding/packed.py``):
     prompt rows in aligned blocks, other rows by the call a batch-1 forward would make, a
-    draft tree's rows path by path in that same call (``decoding/tree_attention.py``)."""
+    draft tree's rows path by path in that same call in row-exact mode, else in one call
+    with a tree mask (``decoding/tree_attention.py``)."""
 
     def chain(rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         return _attend_chain(module, rows, key, value, scaling, row_exact)
@@ -213,8 +214,10 @@ def _attend_packed(
         rows = query[:, :, start:end]
         if chunk.prompt:
             outputs.append(attend_prompt_blocks(rows, key, value, scaling))
-        elif chunk.tree is not None:
+        elif chunk.tree is not None and row_exact:
             outputs.append(attend_tree(rows, key, value, chunk.tree, chain))
+        elif chunk.tree is not None:
+            outputs.append(attend_tree_masked(rows, key, value, chunk.tree, scaling))
         else:
             outputs.append(chain(rows, key, value))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)

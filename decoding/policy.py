@@ -68,8 +68,9 @@ class CostModel:
     so it follows the context length and the machine's load. Between measured k the cost
     is interpolated linearly; beyond the largest, extrapolated from the last two points.
 
-    A draft tree's forward costs more than a chain's over as many rows: its attention runs
-    once per root-to-leaf path (``decoding/tree_attention.py``). ``tree_path_seconds`` is
+    A draft tree's forward can cost more than a chain's over as many rows: in row-exact
+    mode its attention runs once per root-to-leaf path (``decoding/tree_attention.py``;
+    elsewhere one masked call, and the measured cost is near 0). ``tree_path_seconds`` is
     that extra cost per path beyond the first, measured and refreshed by tree verifies
     apart from the chain curve, so trees never make chains look dearer.
     """

@@ -18,7 +18,7 @@ from specrag.decoding.model import CausalLM
 from specrag.decoding.packed import Chunk, packed_forward
 from specrag.decoding.policy import CostModel, PolicyConfig
 from specrag.decoding.tree import path_to
-from specrag.decoding.tree_attention import TreeRows, attend_tree
+from specrag.decoding.tree_attention import TreeRows, attend_tree, attend_tree_masked
 from tests.conftest import tiny_causal_lm
 
 VOCAB = 24
@@ -97,6 +97,45 @@ def test_row_exact_tree_rows_are_the_one_token_steps_bits(cached: int) -> None:
             row_exact=True,
         )
         assert torch.equal(out[:, :, row], step[:, :, 0])
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_one_masked_call_gives_each_row_its_paths_attention(dtype: torch.dtype, tolerance: float) -> None:
+    """Outside row-exact mode a tree is attended in one call with a tree mask: each row
+    gets, up to rounding, what its path's chain call gives it (and the float64 model's
+    rows above match chains to 1e-12 through it)."""
+    generator = torch.Generator().manual_seed(2)
+    appended = len(TOKENS) + 1
+    key = torch.randn(1, 2, 9 + appended, 8, generator=generator, dtype=dtype)
+    value = torch.randn(1, 2, 9 + appended, 8, generator=generator, dtype=dtype)
+    query = torch.randn(1, 4, appended, 8, generator=generator, dtype=dtype)
+    module = torch.nn.Module()
+    module.num_key_value_groups = 2
+
+    def chain(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return fast_paths._attend_chain(module, rows, keys, values, None, row_exact=False)
+
+    per_path = attend_tree(query, key.clone(), value.clone(), TreeRows.of(PARENTS), chain)
+    masked = attend_tree_masked(query, key, value, TreeRows.of(PARENTS), None)
+    torch.testing.assert_close(masked, per_path, atol=tolerance, rtol=0)
+    visible = TreeRows.of(PARENTS).visible
+    assert visible[5].tolist() == [True, False, False, False, False, True, False, False]  # node 4: root, itself
+    assert visible[3].tolist() == [True, True, True, True, False, False, False, False]  # node 2: 0 -> 1 -> 2
+
+
+def test_row_exact_mode_attends_a_tree_path_by_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The masked call rounds apart from the one-token steps: row-exact mode never takes it."""
+    calls: list[str] = []
+    monkeypatch.setattr(fast_paths, "attend_tree", lambda *args: calls.append("paths") or args[0])
+    monkeypatch.setattr(fast_paths, "attend_tree_masked", lambda *args: calls.append("mask") or args[0])
+    module = torch.nn.Module()
+    module.layer_idx = 0
+    rows = torch.zeros(1, 4, len(TOKENS) + 1, 8)
+    chunk = Chunk(TARGET.new_kv(), [1, *TOKENS], tree=TreeRows.of(PARENTS))
+    packed = type("Packed", (), {"layer_kv": [[(rows, rows)]], "chunks": [chunk], "bounds": [(0, rows.shape[2])]})
+    for row_exact in (True, False):
+        fast_paths._attend_packed(module, rows, packed, None, row_exact)
+    assert calls == ["paths", "mask"]
 
 
 def test_paged_and_growable_caches_keep_the_same_rows() -> None:

@@ -439,6 +439,20 @@ MUTATIONS = (
         ("tests/test_engine_policy.py::test_a_rejected_history_gives_way_to_the_lookup_chain_it_displaced",),
     ),
     Mutation(
+        "tree_mask_hides_a_rows_ancestors",
+        "decoding/tree_attention.py",
+        "seen[row, segment.ancestor_rows] = True",
+        "seen[row, segment.ancestor_rows[:1]] = True",
+        ("tests/test_tree_verify.py",),
+    ),
+    Mutation(
+        "row_exact_trees_take_the_masked_call",
+        "decoding/fast_paths.py",
+        "elif chunk.tree is not None and row_exact:",
+        "elif chunk.tree is not None and False:",
+        ("tests/test_tree_verify.py::test_row_exact_mode_attends_a_tree_path_by_path",),
+    ),
+    Mutation(
         "retriever_never_follows_a_rebuild",
         "retrieval/retriever.py",
         "if self.follow and time.monotonic() - self._checked_at >= FOLLOW_INTERVAL_S:",
