@@ -75,9 +75,16 @@ def grow_tree(
 def _chain_nodes(policy: RequestPolicy, chain: Draft, alternatives: Sequence[Draft]) -> list[_Node]:
     """The chain's nodes, each scored by its estimate and its share of the peers' vote."""
     estimate = policy.estimate(estimate_key(chain.source, chain.match_ngram))
-    # Peers are lookup matches as long as the chain's; a draft model's runner-ups are not
-    # votes against its argmax.
-    peers = [alt.tokens for alt in alternatives if chain.match_ngram and alt.match_ngram >= chain.match_ngram]
+    # Peers are lookup matches as long as the chain's, as far back as it agrees with the
+    # context: versions of one passage are, a phrase the passage repeats is not (its other
+    # occurrences match 4 tokens where the copy in progress matched 32; smollm2's
+    # rag_branching lost a chain's accepted tail to their vote). A draft model's
+    # runner-ups are not votes against its argmax.
+    peers = [
+        alt.tokens
+        for alt in alternatives
+        if chain.match_ngram and alt.match_ngram >= chain.match_ngram and alt.match_back >= chain.match_back
+    ]
     nodes, score = [], 1.0
     for position, token in enumerate(chain.tokens):
         # Peers that agreed with the chain so far and go on: where they part, it is a fork.

@@ -72,6 +72,25 @@ def test_where_the_node_limit_binds_a_better_branch_takes_the_chains_deepest_nod
     assert grow_tree(policy(0.001), chain, [fork], 16).first_path().tokens == chain.tokens  # room for both
 
 
+def test_only_a_match_as_long_and_as_far_back_is_a_peer_that_splits_the_chains_vote() -> None:
+    chain = Draft([1, 2, 3, 4, 5, 6, 7, 8], None, "passage:0", 4, match_back=32)
+    version = Draft([1, 9, 10], None, "passage:1", 4, match_back=32)  # another version of the copied text
+    repeat = Draft([1, 9, 10], None, "passage:0", 4, match_back=4)  # the passage repeats its last 4 tokens
+    # a peer halves the chain's score where they part, so the branch takes the chain's deepest node ...
+    assert sorted(grow_tree(policy(0.001), chain, [version], 8).tokens) == [1, 2, 3, 4, 5, 6, 7, 9]
+    # ... but a shorter match is no vote against a copy in progress: 0.8 ** 8 = 0.168 beats
+    # the branch's min(1 - 0.8, b = 0.3) of 0.8 = 0.16
+    assert grow_tree(policy(0.001), chain, [repeat], 8).first_path().tokens == chain.tokens
+
+
+def test_lookup_records_how_far_back_each_match_agrees() -> None:
+    passages = [[7, 8, 1, 2, 3], [5, 1, 2, 4]]
+    draft = PromptLookupDrafter([0], passages, branches=4).propose([0, 7, 8, 1, 2], 4)
+    assert (draft.tokens, draft.match_ngram, draft.match_back) == ([3], 4, 4)
+    assert [(alt.tokens, alt.match_ngram, alt.match_back) for alt in draft.alternatives] == [([4], 2, 2)]
+    assert draft.truncated(1).match_back == 4
+
+
 def test_a_branch_that_keeps_failing_stops_being_grown() -> None:
     drafter = PromptLookupDrafter([0], PASSAGES, branches=4)
     draft = drafter.propose([0, 1, 2], 4)

@@ -18,6 +18,9 @@ class Draft:
     drawn from; None for a deterministic drafter (acceptance treats q as one-hot).
     ``match_ngram``: for prompt lookup, the length of the n-gram the proposal continues
     (0 for other drafters); the policy keeps its acceptance estimates apart by it.
+    ``match_back``: how many tokens before the proposal agree with the context, that
+    n-gram included (prompt lookup measures up to 32; 0: not measured). A tree counts an
+    alternative as the chain's peer only where it matched as far back.
 
     A draft tree (``decoding/tree.py``) sets ``parents``: the tokens are its nodes in
     depth-first preorder, ``parents[i]`` is node i's parent (-1: a child of the pending
@@ -39,6 +42,7 @@ class Draft:
     branch_keys: list[str] | None = None  # a tree's branch starts: the estimate each is judged by
     alternatives: list[Draft] = field(default_factory=list)
     rivals: list[Draft] = field(default_factory=list)
+    match_back: int = 0
 
     @property
     def is_tree(self) -> bool:
@@ -51,7 +55,7 @@ class Draft:
         if gamma >= len(self.tokens):
             return self
         probs = self.probs[:gamma] if self.probs is not None else None
-        return Draft(self.tokens[:gamma], probs, self.source, self.match_ngram)
+        return Draft(self.tokens[:gamma], probs, self.source, self.match_ngram, match_back=self.match_back)
 
     def subtree(self, kept: Sequence[int]) -> Draft:
         """The tree with only the ``kept`` nodes (preorder indices, each kept node's parent
@@ -67,7 +71,13 @@ class Draft:
 
         tokens = [self.tokens[node] for node in kept]
         return Draft(
-            tokens, None, self.source, self.match_ngram, parents, pick(self.node_sources), pick(self.branch_keys)
+            tokens,
+            None,
+            self.source,
+            self.match_ngram,
+            parents=parents,
+            node_sources=pick(self.node_sources),
+            branch_keys=pick(self.branch_keys),
         )
 
     def first_path(self) -> Draft:

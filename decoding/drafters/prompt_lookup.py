@@ -60,7 +60,11 @@ def history_drafts(
 ) -> list[Draft]:
     """``tenant``'s earlier outputs' continuations of ``context`` as drafts."""
     found = index.continuations(tenant, context, max_tokens, max_branches=count)
-    return [Draft(found_one.tokens, None, HISTORY, found_one.match_ngram) for found_one in found]
+    # A history match is a suffix of the context: its length is how far back it agrees.
+    return [
+        Draft(found_one.tokens, None, HISTORY, found_one.match_ngram, match_back=found_one.match_ngram)
+        for found_one in found
+    ]
 
 
 class PromptLookupDrafter(FreeDrafter):
@@ -117,7 +121,15 @@ class PromptLookupDrafter(FreeDrafter):
     def _with_alternatives(self, chain: Draft, chains: list[Draft], rivals: list[Draft] | None = None) -> Draft:
         """``chain`` carrying up to ``branches`` of the other ``chains`` for a tree."""
         others = [other for other in chains if other is not chain][: self.branches]
-        return Draft(chain.tokens, None, chain.source, chain.match_ngram, alternatives=others, rivals=rivals or [])
+        return Draft(
+            chain.tokens,
+            None,
+            chain.source,
+            chain.match_ngram,
+            alternatives=others,
+            rivals=rivals or [],
+            match_back=chain.match_back,
+        )
 
     def _lookup_chains(self, context: Sequence[int], max_tokens: int) -> list[Draft]:
         """The preferred chain and up to ``branches`` others (module docstring), each unique."""
@@ -130,11 +142,11 @@ class PromptLookupDrafter(FreeDrafter):
                 for sequence, start, source in self._lookup(tuple(looked_up[-ngram:]))
             ]
             found.sort(key=lambda one: -one[0])  # stable: the source preference breaks ties
-            for _, sequence, start, source in found:
+            for matched, sequence, start, source in found:
                 limit = max_tokens if not chains else min(max_tokens, BRANCH_TOKENS)
                 tokens = self._edits.copy(sequence, start, limit, overlapping=sequence is self._stream)
                 if tokens and not _repeats(tokens, chains):
-                    chains.append(Draft(tokens, None, source, ngram))
+                    chains.append(Draft(tokens, None, source, ngram, match_back=matched))
                 if len(chains) > self.branches:
                     return chains
         return chains

@@ -446,6 +446,13 @@ MUTATIONS = (
         ("tests/test_tree_verify.py",),
     ),
     Mutation(
+        "tree_peers_ignore_how_far_back_they_match",
+        "decoding/tree_sizing.py",
+        "and alt.match_back >= chain.match_back",
+        "",
+        ("tests/test_tree_sizing.py::test_only_a_match_as_long_and_as_far_back_is_a_peer_that_splits_the_chains_vote",),
+    ),
+    Mutation(
         "row_exact_trees_take_the_masked_call",
         "decoding/fast_paths.py",
         "elif chunk.tree is not None and row_exact:",
