@@ -60,7 +60,14 @@ def decode_cycle(seq: SequenceState, observe: ForwardObserver, draft: Draft, off
     with seq.stats.timed("verify" if gamma else "decode"):
         start = time.perf_counter()
         rows = [seq.tokens[-1], *draft.tokens]
-        need = ForwardNeed(seq.kv, rows, prepare=row_processor(seq, draft), bitmask=bitmask, tree=tree)
+        need = ForwardNeed(
+            seq.kv,
+            rows,
+            prepare=row_processor(seq, draft),
+            bitmask=bitmask,
+            word_prefixes=word_prefixes(seq),
+            tree=tree,
+        )
         target_logits = yield need
         observe(gamma + 1, start, len(tree.segments) if tree is not None else 1)
     seq.stats.target_calls += 1
@@ -132,6 +139,11 @@ def next_mask(seq: SequenceState) -> torch.Tensor | None:
         return None
     with seq.stats.timed("grammar"):
         return seq.grammar.next_bitmask()
+
+
+def word_prefixes(seq: SequenceState) -> torch.Tensor | None:
+    """The table that pours a cut word into its allowed part, where the grammar has one."""
+    return seq.grammar.grammar.word_prefixes if seq.grammar is not None else None
 
 
 def grammar_accept(seq: SequenceState, token: int) -> None:

@@ -45,7 +45,7 @@ import torch
 
 from specrag.decoding import policy as policies
 from specrag.decoding.cycle_plan import CyclePlanner
-from specrag.decoding.cycles import grammar_accept, next_mask, row_processor
+from specrag.decoding.cycles import grammar_accept, next_mask, row_processor, word_prefixes
 from specrag.decoding.drafters.history import HistoryIndex
 from specrag.decoding.forward_timer import ForwardTimer, prompt_costs
 from specrag.decoding.grammar import GrammarState
@@ -333,7 +333,15 @@ class Engine:
         with seq.stats.timed("prefill"):
             chunk = seq.tokens[len(seq.kv) : end]
             prepare = row_processor(seq) if last else None
-            need = ForwardNeed(seq.kv, chunk, last_only=True, prompt=True, prepare=prepare, bitmask=bitmask)
+            need = ForwardNeed(
+                seq.kv,
+                chunk,
+                last_only=True,
+                prompt=True,
+                prepare=prepare,
+                bitmask=bitmask,
+                word_prefixes=word_prefixes(seq) if last else None,
+            )
             logits = (yield need)[-1]
             seq.stats.target_calls += 1
             if not last:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import xgrammar as xgr
 
+from specrag.decoding.cut_words import pour_cut_words
 from specrag.decoding.drafters.base import Draft, FreeDrafter
 
 FORCED_SOURCE = "grammar"
@@ -50,6 +51,9 @@ class Grammar:
     compiled: xgr.CompiledGrammar
     key: str
     encode: Callable[[str], list[int]] | None = field(default=None, compare=False, repr=False)
+    # The vocabulary's word-prefix table: a cut word's probability goes to its allowed part
+    # (decoding/cut_words.py); None masks alone.
+    word_prefixes: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -247,6 +251,9 @@ class _DraftMask:
             # The draft proposed a stop token; later drafts are cut before verification.
             return logits
         self._fork.fill_next_token_bitmask(self._bitmask, 0)
+        table = self._state.grammar.word_prefixes
+        if table is not None:  # q is transformed as the target's rows are (step_driver.prepared)
+            logits = pour_cut_words(logits.unsqueeze(0), self._bitmask, table)[0]
         return mask_logits(logits, self._bitmask[0])
 
 

@@ -23,8 +23,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import xgrammar as xgr
 
+from specrag.decoding.cut_words import word_prefix_table
 from specrag.decoding.grammar import Grammar
 from specrag.decoding.schema_merge import UnsupportedSchemaError, canonical_json
 from specrag.decoding.schema_support import check_schema, enforceable_schema
@@ -189,9 +191,12 @@ class GrammarCompiler:
         tokenizer_info: xgr.TokenizerInfo,
         encode: Callable[[str], list[int]] | None = None,
         max_cached: int = 256,
+        cut_words: bool = True,
     ) -> None:
         self.tokenizer_info = tokenizer_info
         self.encode = encode  # spells forced text as the model would (see Grammar)
+        self.cut_words = cut_words  # pour a cut word's probability into its allowed part
+        self._word_prefixes: torch.Tensor | None = None  # built with the first grammar
         self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=1)
         # Bounded: a server compiles whatever schemas its clients send.
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
@@ -272,7 +277,9 @@ class GrammarCompiler:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-            grammar = Grammar(self._compiler.compile_grammar(build()), key, self.encode)
+            if self.cut_words and self._word_prefixes is None:
+                self._word_prefixes = word_prefix_table(self.tokenizer_info.decoded_vocab)
+            grammar = Grammar(self._compiler.compile_grammar(build()), key, self.encode, self._word_prefixes)
             self._cache[key] = grammar
             while len(self._cache) > self.max_cached:
                 self._cache.popitem(last=False)

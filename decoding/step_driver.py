@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specrag.decoding.cut_words import pour_cut_words
 from specrag.decoding.grammar import mask_logits
 from specrag.decoding.kv import SequenceKV
 from specrag.decoding.model import CausalLM
@@ -46,6 +47,7 @@ class ForwardNeed:
     target_tokens: int = 0  # a draft forward: what the cycle's verify will forward (the budget counts it)
     prepare: RowProcessor | None = None  # the request's logits processors, run on its rows first
     bitmask: torch.Tensor | None = None  # then the grammar's mask, one int32 row per logits row
+    word_prefixes: torch.Tensor | None = None  # before the mask, cut words pour into their allowed part
     tree: TreeRows | None = None  # the rows after the first are a draft tree's nodes, not a chain
 
     def chunk(self) -> Chunk:
@@ -163,8 +165,9 @@ class StepBatch:
 def prepared(needs: list[ForwardNeed], answers: list[torch.Tensor | Exception]) -> list[torch.Tensor | Exception]:
     """Each need's rows through its logits processors, then one grammar mask over the rows
     of every constrained need (one bitmask for all rows, one matcher per sequence filled
-    it). Processors go first, on the plain path and the verify alike, so the grammar has
-    the last word; a processor that raises fails its own sequence."""
+    it). Processors go first, on the plain path and the verify alike, then each
+    constrained need's cut words pour into their allowed parts (decoding/cut_words.py), so
+    the grammar has the last word; a processor that raises fails its own sequence."""
     answers = list(answers)
     for index, (need, answer) in enumerate(zip(needs, answers, strict=True)):
         if need.prepare is not None and not isinstance(answer, Exception):
@@ -177,6 +180,16 @@ def prepared(needs: list[ForwardNeed], answers: list[torch.Tensor | Exception]) 
         for index, (need, answer) in enumerate(zip(needs, answers, strict=True))
         if need.bitmask is not None and not isinstance(answer, Exception)
     ]
+    if not masked:
+        return answers
+    for index in masked:
+        table = needs[index].word_prefixes
+        if table is not None:
+            try:
+                answers[index] = pour_cut_words(answers[index], needs[index].bitmask, table)  # type: ignore[arg-type]
+            except Exception as error:  # a mask that does not fit its rows fails its own sequence
+                answers[index] = error
+    masked = [index for index in masked if not isinstance(answers[index], Exception)]
     if not masked:
         return answers
     rows = [answers[index] for index in masked]

@@ -453,6 +453,20 @@ MUTATIONS = (
         ("tests/test_tree_sizing.py::test_only_a_match_as_long_and_as_far_back_is_a_peer_that_splits_the_chains_vote",),
     ),
     Mutation(
+        "cut_words_pour_into_the_first_letter",
+        "decoding/cut_words.py",
+        "and text[:-1] in ids:\n            table[token_id] = ids[text[:-1]]",
+        "and text[:1] in ids:\n            table[token_id] = ids[text[:1]]",
+        ("tests/test_cut_words.py::test_each_word_token_points_at_the_same_word_less_its_last_letter",),
+    ),
+    Mutation(
+        "step_rows_skip_cut_words",
+        "decoding/step_driver.py",
+        "table = needs[index].word_prefixes",
+        "table = None",
+        ("tests/test_cut_words.py::test_an_enum_value_cut_short_becomes_the_value_the_model_began",),
+    ),
+    Mutation(
         "row_exact_trees_take_the_masked_call",
         "decoding/fast_paths.py",
         "elif chunk.tree is not None and row_exact:",

@@ -228,6 +228,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", help="comma-separated task ids")
     parser.add_argument("--out", type=Path, help="folder for report.json and report.md")
     parser.add_argument("--rescore", type=Path, help="a report folder: score its answers again, rewrite it, no model")
+    parser.add_argument(
+        "--no-cut-words", action="store_true", help="grammars mask alone (decoding/cut_words.py off), for comparison"
+    )
 
 
 def run(args: argparse.Namespace, command: str) -> int:
@@ -244,6 +247,7 @@ def run(args: argparse.Namespace, command: str) -> int:
         wanted = set(args.only.split(","))
         tasks = [task for task in tasks if task["id"] in wanted]
     model = load_model(args.model, dtype=args.dtype)
+    model.grammar_compiler.cut_words = not args.no_cut_words  # read when each grammar is built
     call_format = None if args.call_format == "auto" else args.call_format
     plain = Agent(tools=eval_tools(), model=model, call_format=call_format)
     documents = None
@@ -273,6 +277,7 @@ def run(args: argparse.Namespace, command: str) -> int:
         "split": args.split,
         "max_tokens": args.max_tokens,
         "max_steps": args.max_steps,
+        "cut_words": not args.no_cut_words,
         "cpu": cpu_model_name(),
         "command": command,
     }
