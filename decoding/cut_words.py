@@ -5,8 +5,8 @@ longer word than the grammar admits, masking drops that token's probability and 
 allowed token wins, which is often the end of the value rather than the word's allowed
 part: after ``"to_unit": "m`` with the enum ["km", "mile", "m", "foot"],
 qwen2.5-coder-0.5b gave 0.745 to ``iles`` (forbidden), 0.137 to ``"}}`` and 0.022 to
-``ile``, so masked greedy wrote "m" (metres) for miles, in 5 of the 17 tool-use tasks it
-failed on the dev half.
+``ile``, so masked greedy wrote "m" (metres) for miles: 4 of the 17 tool-use tasks it got
+wrong on the dev half (float32).
 
 The rule, applied to a row before the grammar's mask: each of the row's ``TOP`` likeliest
 tokens that the grammar forbids and whose text is a word (letters and digits, after at
