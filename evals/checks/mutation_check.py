@@ -133,8 +133,8 @@ MUTATIONS = (
     Mutation(
         "verify_rows_not_masked",
         "decoding/cycles.py",
-        "prepare=row_processor(seq, draft), bitmask=bitmask,",
-        "prepare=row_processor(seq, draft), bitmask=None,",
+        "prepare=row_processor(seq, draft),\n            bitmask=bitmask,",
+        "prepare=row_processor(seq, draft),\n            bitmask=None,",
         ("tests/test_grammar.py",),
     ),
     Mutation(
