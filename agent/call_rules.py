@@ -30,6 +30,14 @@ def uses_results(answer: str, results: Iterable[ToolResult]) -> bool:
     return not words or bool(words & _words(answer))
 
 
+def grounding_sources(question: str, executed: Mapping[str, ToolResult]) -> list[str]:
+    """Where a changed call's values may come from: the question, the earlier calls and
+    the results that succeeded. An error message is no value to pass on: asked for ZZZZ's
+    price, qwen2.5-coder-0.5b called the tool again with the error "unknown ticker symbol
+    'ZZZZZ'" as the symbol (tool-use eval, dev half)."""
+    return [question, *executed, *(result.content for result in executed.values() if result.ok)]
+
+
 def grounded(call: ToolCall, sources: Iterable[str]) -> bool:
     """Whether every argument value of ``call`` is written in ``sources`` (the question,
     earlier calls, their results): strings case-insensitively, numbers as numbers. A call

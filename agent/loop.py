@@ -50,6 +50,7 @@ from specrag.agent.call_rules import (
     default_tools,
     first_time,
     grounded,
+    grounding_sources,
     made_before,
     uses_results,
 )
@@ -258,7 +259,7 @@ class AgentLoop(FirstStepProbes, AnswerChecks):
         for the case and spaces of its strings) whose values are grounded is returned;
         None: no try did (the next step answers)."""
         assert generated.recorder is not None  # steps after tool results keep their margins
-        sources = [run.question, *run.executed, *(result.content for result in run.executed.values())]
+        sources = grounding_sources(run.question, run.executed)
         found = deviations(generated.recorder, generated.token_ids, generated.grammar, self._spell)
         within = [deviation for deviation in found if deviation.margin <= run.options.max_deviation_margin]
         for deviation in within[:TRIES]:

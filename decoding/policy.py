@@ -58,6 +58,7 @@ BUDGET_TOKEN_COUNTS = (128, 256, 512)
 BUDGET_THROUGHPUT_FRACTION = 0.9
 BRANCH_SOURCE = "branch"  # a draft tree's branches, judged apart from the chain (decoding/tree_sizing.py)
 # Estimates are kept per kind of source; every source not named here is a passage.
+PEER_KEY = f"{BRANCH_SOURCE}@peer"  # a branch that matched as long and as far back as the chain
 SOURCE_KINDS = frozenset({"output", "prompt", "model", "grammar", "history", BRANCH_SOURCE})
 
 

@@ -180,8 +180,6 @@ def prepared(needs: list[ForwardNeed], answers: list[torch.Tensor | Exception]) 
         for index, (need, answer) in enumerate(zip(needs, answers, strict=True))
         if need.bitmask is not None and not isinstance(answer, Exception)
     ]
-    if not masked:
-        return answers
     for index in masked:
         table = needs[index].word_prefixes
         if table is not None:

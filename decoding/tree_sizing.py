@@ -16,11 +16,13 @@ a document) part from it: at a three-way fork the chain gets a third. An alterna
 the tree where it leaves it: its first new node, a child of a node reached with probability
 P whose other children claim s of what follows it, scores P * min(1 - s, b(0)), and the
 branch goes on with P * ... * b(k) at its k-th node. b is the ``branch`` acceptance
-estimate of the alternative's n-gram bucket (``branch@n4+`` for a fork between versions of
-one passage, ``branch@n1`` for a stray one-token match): how often a branch node was
-accepted when its parent was. Nodes are added best score first, which keeps every kept
-node's parent, and the best prefix of that order wins; none pays: the chain alone. With
-speculation "on" (no cost model asked) every branch is kept, up to the node limit.
+estimate: how often a branch node was accepted when its parent was. A peer is judged by
+the peers' own (``branch@peer``) and, at positions it has not measured yet, as the chain
+is: the chain's estimate times its share of the vote, so the versions of a passage start
+even; a lesser match by its n-gram bucket's (``branch@n1`` for a stray one-token match).
+Nodes are added best score first, which keeps every kept node's parent, and the best
+prefix of that order wins; none pays: the chain alone. With speculation "on" (no cost
+model asked) every branch is kept, up to the node limit.
 
 Observation (``observe_tree``) keeps them apart: the chain is judged as if proposed alone,
 each branch wherever its parent was accepted (a taken sibling counts as its rejection:
@@ -34,7 +36,14 @@ from dataclasses import dataclass, field
 
 from specrag.decoding.drafters.base import Draft
 from specrag.decoding.drafters.model_drafter import SOURCE as MODEL_SOURCE
-from specrag.decoding.policy import BRANCH_SOURCE, RequestPolicy, StepLoad, estimate_key
+from specrag.decoding.policy import (
+    BRANCH_SOURCE,
+    PEER_KEY,
+    AcceptanceEstimate,
+    RequestPolicy,
+    StepLoad,
+    estimate_key,
+)
 
 
 @dataclass
@@ -56,9 +65,12 @@ def grow_tree(
     deepest nodes if it scores higher. ``chain`` as it is when no branch pays."""
     if not chain.tokens or not alternatives:
         return chain
-    nodes = _chain_nodes(policy, chain, alternatives)
-    for alternative in alternatives:
-        _insert(policy, nodes, alternative)
+    peers = [_is_peer(chain, alternative) for alternative in alternatives]
+    estimate = policy.estimate(estimate_key(chain.source, chain.match_ngram))
+    vote = _Vote([chain.tokens, *(alt.tokens for alt, peer in zip(alternatives, peers, strict=True) if peer)], estimate)
+    nodes = _chain_nodes(chain, vote)
+    for alternative, peer in zip(alternatives, peers, strict=True):
+        _insert(policy, nodes, alternative, vote if peer else None)
     # Best first, the chain's first node always (the tree's first path starts there). A
     # node never scores above its parent and ties go to the lower index, which a parent
     # has: every prefix of this order holds each of its nodes' parents.
@@ -72,29 +84,43 @@ def grow_tree(
     return _preorder(chain, nodes, set(order))
 
 
-def _chain_nodes(policy: RequestPolicy, chain: Draft, alternatives: Sequence[Draft]) -> list[_Node]:
+@dataclass
+class _Vote:
+    """The chain and its peers, each a ballot for how the copied text goes on."""
+
+    ballots: list[list[int]]
+    estimate: AcceptanceEstimate  # the chain's
+
+    def rate(self, prefix: list[int], token: int) -> float:
+        """The chain's estimate at this position, times the share of the ballots that agree
+        on ``prefix`` and go on with ``token``: where they part, it is a fork."""
+        at = len(prefix)
+        voters = [ballot[at] for ballot in self.ballots if len(ballot) > at and ballot[:at] == prefix]
+        return self.estimate.rate(at) * (voters.count(token) / len(voters) if voters else 1.0)
+
+
+def _chain_nodes(chain: Draft, vote: _Vote) -> list[_Node]:
     """The chain's nodes, each scored by its estimate and its share of the peers' vote."""
-    estimate = policy.estimate(estimate_key(chain.source, chain.match_ngram))
-    # Peers are lookup matches as long as the chain's, as far back as it agrees with the
-    # context: versions of one passage are, a phrase the passage repeats is not (its other
-    # occurrences match 4 tokens where the copy in progress matched 32; smollm2's
-    # rag_branching lost a chain's accepted tail to their vote). A draft model's
-    # runner-ups are not votes against its argmax.
-    peers = [
-        alt.tokens
-        for alt in alternatives
-        if chain.match_ngram and alt.match_ngram >= chain.match_ngram and alt.match_back >= chain.match_back
-    ]
     nodes, score = [], 1.0
     for position, token in enumerate(chain.tokens):
-        # Peers that agreed with the chain so far and go on: where they part, it is a fork.
-        voters = [peer for peer in peers if len(peer) > position and peer[:position] == chain.tokens[:position]]
-        agreeing = sum(peer[position] == token for peer in voters)
-        score *= estimate.rate(position) * (1 + agreeing) / (1 + len(voters))
+        score *= vote.rate(chain.tokens[:position], token)
         nodes.append(_Node(token, position - 1, chain.source, score))
         if position:
             nodes[position - 1].children.append(position)
     return nodes
+
+
+def _is_peer(chain: Draft, alternative: Draft) -> bool:
+    """Whether ``alternative`` is as good a match as the chain: as long, and as far back as
+    it agrees with the context. Versions of one passage are; a phrase the passage repeats is
+    not (its other occurrences match 4 tokens where the copy in progress matched 32;
+    smollm2's rag_branching lost a chain's accepted tail to their vote). A draft model's
+    runner-ups are not votes against its argmax."""
+    return (
+        bool(chain.match_ngram)
+        and alternative.match_ngram >= chain.match_ngram
+        and alternative.match_back >= chain.match_back
+    )
 
 
 def _children(nodes: list[_Node], parent: int) -> list[int]:
@@ -103,27 +129,37 @@ def _children(nodes: list[_Node], parent: int) -> list[int]:
     return [index for index, node in enumerate(nodes) if node.parent == -1]
 
 
-def _insert(policy: RequestPolicy, nodes: list[_Node], alternative: Draft) -> None:
-    """Walk ``alternative`` down the tree; where it leaves it, add its rest as a branch."""
-    key = branch_key(alternative)
+def _insert(policy: RequestPolicy, nodes: list[_Node], alternative: Draft, vote: _Vote | None) -> None:
+    """Walk ``alternative`` down the tree; where it leaves it, add its rest as a branch.
+    A peer (``vote`` given) is judged by the peers' estimate where that has been measured,
+    else as the chain is (``_Vote.rate``): the versions of a passage start even."""
+    key = PEER_KEY if vote is not None else branch_key(alternative)
     branch = policy.estimate(key)
     parent, parent_score, depth = -1, 1.0, -1  # depth: in the branch, once it has left the tree
-    for token in alternative.tokens:
+    for position, token in enumerate(alternative.tokens):
         siblings = _children(nodes, parent)
         same = next((index for index in siblings if nodes[index].token == token), None)
         if same is not None and depth < 0:
             parent, parent_score = same, nodes[same].score
             continue
         depth += 1
+        if vote is not None and not _measured(branch, depth):
+            rate = vote.rate(alternative.tokens[:position], token)
+        else:
+            rate = branch.rate(depth)
         if depth == 0:  # leaving the tree: at most what the other children leave over
             claimed = sum(nodes[index].score for index in siblings) / parent_score if parent_score else 1.0
-            score = parent_score * min(max(0.0, 1.0 - claimed), branch.rate(0))
-        else:
-            score = parent_score * branch.rate(depth)
+            rate = min(max(0.0, 1.0 - claimed), rate)
+        score = parent_score * rate
         nodes.append(_Node(token, parent, alternative.source, score, key if depth == 0 else ""))
         if parent >= 0:
             nodes[parent].children.append(len(nodes) - 1)
         parent, parent_score = len(nodes) - 1, score
+
+
+def _measured(estimate: AcceptanceEstimate, depth: int) -> bool:
+    """Whether ``estimate.rate(depth)`` comes from observations rather than the prior."""
+    return depth < len(estimate.rates) or (depth > 0 and estimate.continuation is not None)
 
 
 def branch_key(alternative: Draft) -> str:

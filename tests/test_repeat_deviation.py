@@ -12,7 +12,7 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from specrag.agent.call_rules import canonical_call, grounded, made_before
+from specrag.agent.call_rules import canonical_call, grounded, grounding_sources, made_before
 from specrag.agent.loop import AgentLoop
 from specrag.agent.repeat_deviation import BanAt, MarginRecorder, deviations
 from specrag.agent.run_state import RunOptions
@@ -21,7 +21,7 @@ from specrag.decoding.engine import Engine
 from specrag.decoding.grammar_compile import GrammarCompiler
 from specrag.decoding.request import GenerationEvent, GenerationRequest, apply_processors
 from specrag.decoding.stats import CycleInfo, GenerationStats
-from specrag.tools import ToolCall, ToolRegistry, ToolResult, tool
+from specrag.tools import ToolCall, ToolError, ToolRegistry, ToolResult, tool
 from tests.agent_helpers import add
 from tests.conftest import tiny_causal_lm
 from tests.test_grammar import EOS, VOCAB, encode
@@ -232,6 +232,18 @@ def test_a_call_is_grounded_when_every_value_is_written_somewhere() -> None:
     assert not grounded(ToolCall("convert", {"value": 25, "unit": "celsius"}), sources)
     assert not grounded(ToolCall("country_fact", {"country": "Kenya", "fact": "capital"}), sources)
     assert grounded(ToolCall("noop", {"nested": {"items": ["France", 3.9]}}), sources)
+
+
+def test_an_error_message_is_no_value_a_changed_call_may_take() -> None:
+    asked = ToolCall("stock_price", {"symbol": "ZZZZ"})
+    error = "KeyError: \"unknown ticker symbol 'ZZZZ'\""
+    executed = {canonical_call(asked): ToolResult("stock_price", error, ToolError("exception", error))}
+    sources = grounding_sources("What is the price of ZZZZ stock?", executed)
+    assert grounded(asked, sources)  # the question's own value
+    assert not grounded(ToolCall("stock_price", {"symbol": "unknown ticker symbol 'ZZZZ'"}), sources)
+    executed[canonical_call(ToolCall("stock_price", {"symbol": "ACME"}))] = ToolResult("stock_price", "GLOBEX 87.8")
+    sources = grounding_sources("What is the price of ZZZZ stock?", executed)
+    assert grounded(ToolCall("stock_price", {"symbol": "GLOBEX"}), sources)  # a result that succeeded
 
 
 def test_a_change_that_turns_the_call_into_text_is_not_the_answer(hermes_tokenizer: Any) -> None:  # noqa: F811

@@ -48,7 +48,7 @@ def test_cheap_verification_grows_the_tree_and_dear_verification_keeps_the_chain
     # a three-way fork at the root: the chain gets a third of its estimate, the peers the rest
     assert cheap.parents == [-1, 0, 1, -1, 3, 4, -1, 6] and cheap.tokens == [3, 4, 5, 6, 7, 8, 10, 11]
     assert cheap.node_sources == ["passage:0"] * 3 + ["passage:1"] * 3 + ["passage:2"] * 2
-    assert cheap.branch_keys == ["", "", "", "branch@n2-3", "", "", "branch@n2-3", ""]
+    assert cheap.branch_keys == ["", "", "", "branch@peer", "", "", "branch@peer", ""]  # judged as peers
     assert cheap.first_path().tokens == [3, 4, 5]
     dear = grow_tree(policy(1.0), draft.truncated(3), draft.alternatives, 16)
     assert dear.parents is None and dear.tokens == [3, 4, 5]
@@ -57,18 +57,21 @@ def test_cheap_verification_grows_the_tree_and_dear_verification_keeps_the_chain
     paths_dear.cost.tree_path_seconds = 1.0  # rows are cheap, but each path's attention is not
     assert grow_tree(paths_dear, draft.truncated(3), draft.alternatives, 16).parents is None
     on = grow_tree(policy(1.0, mode="on"), draft.truncated(3), draft.alternatives, 5)
-    assert on.parents == [-1, 0, 1, -1, -1]  # "on": the best branch nodes up to the node limit
+    # "on": the best nodes up to the node limit; the three versions score alike (0.8 / 3 each
+    # at the fork, 0.8 of that after it), so each keeps its first node and two their second
+    assert on.parents == [-1, 0, -1, 2, -1]
 
 
 def test_where_the_node_limit_binds_a_better_branch_takes_the_chains_deepest_node() -> None:
     chain = Draft([1, 2, 3, 4, 5, 6, 7, 8], None, "passage:0", 4)
     fork = Draft([1, 9, 10], None, "passage:1", 4)  # a peer that parts from the chain after one token
-    # chain nodes score 0.8, then 0.8 * 0.8 / 2 at the fork and x0.8 each after; the branch
-    # node under the first gets min(1 - 0.4, b = 0.3) of 0.8 = 0.24, above the chain's 0.084 at depth 8
+    # chain nodes score 0.8, then 0.8 * 0.8 / 2 at the fork and x0.8 each after; the peer,
+    # unmeasured, scores as the chain does: 0.32 at the fork, 0.256 after it, above the
+    # chain's 0.105 and 0.084 at depths 7 and 8
     tree = grow_tree(policy(0.001), chain, [fork], 8)
-    assert len(tree.tokens) == 8 and tree.first_path().tokens == chain.tokens[:7]
+    assert len(tree.tokens) == 8 and tree.first_path().tokens == chain.tokens[:6]
     assert tree.parents is not None and tree.parents[tree.tokens.index(9)] == 0
-    assert sorted(tree.tokens) == [1, 2, 3, 4, 5, 6, 7, 9]
+    assert sorted(tree.tokens) == [1, 2, 3, 4, 5, 6, 9, 10]
     assert grow_tree(policy(0.001), chain, [fork], 16).first_path().tokens == chain.tokens  # room for both
 
 
@@ -76,8 +79,9 @@ def test_only_a_match_as_long_and_as_far_back_is_a_peer_that_splits_the_chains_v
     chain = Draft([1, 2, 3, 4, 5, 6, 7, 8], None, "passage:0", 4, match_back=32)
     version = Draft([1, 9, 10], None, "passage:1", 4, match_back=32)  # another version of the copied text
     repeat = Draft([1, 9, 10], None, "passage:0", 4, match_back=4)  # the passage repeats its last 4 tokens
-    # a peer halves the chain's score where they part, so the branch takes the chain's deepest node ...
-    assert sorted(grow_tree(policy(0.001), chain, [version], 8).tokens) == [1, 2, 3, 4, 5, 6, 7, 9]
+    # a peer halves the chain's score where they part and takes the other half, so the
+    # branch takes the chain's deepest nodes ...
+    assert sorted(grow_tree(policy(0.001), chain, [version], 8).tokens) == [1, 2, 3, 4, 5, 6, 9, 10]
     # ... but a shorter match is no vote against a copy in progress: 0.8 ** 8 = 0.168 beats
     # the branch's min(1 - 0.8, b = 0.3) of 0.8 = 0.16
     assert grow_tree(policy(0.001), chain, [repeat], 8).first_path().tokens == chain.tokens
@@ -103,7 +107,7 @@ def test_a_branch_that_keeps_failing_stops_being_grown() -> None:
         trees += 1
         observe_tree(right, tree, [0, 1, 2])
     assert trees > 0 and tree.parents is None  # ... and the chain claims what they could win
-    assert right.estimate("branch@n2-3").rate(0) < 0.05  # each taken chain child rejected them
+    assert right.estimate("branch@peer").rate(0) < 0.05  # each taken chain child rejected them
     wrong = policy(0.001)
     trees = 0
     for _ in range(30):  # the chain fails at once, and every branch too
@@ -113,7 +117,7 @@ def test_a_branch_that_keeps_failing_stops_being_grown() -> None:
         trees += 1
         observe_tree(wrong, tree, [])
     assert trees > 0 and tree.parents is None
-    assert wrong.estimate("branch@n2-3").rate(0) < 0.05
+    assert wrong.estimate("branch@peer").rate(0) < 0.05
 
 
 def test_observing_a_tree_credits_the_chain_and_each_reachable_branch() -> None:

@@ -448,9 +448,23 @@ MUTATIONS = (
     Mutation(
         "tree_peers_ignore_how_far_back_they_match",
         "decoding/tree_sizing.py",
-        "and alt.match_back >= chain.match_back",
-        "",
+        "alternative.match_back >= chain.match_back",
+        "True",
         ("tests/test_tree_sizing.py::test_only_a_match_as_long_and_as_far_back_is_a_peer_that_splits_the_chains_vote",),
+    ),
+    Mutation(
+        "tree_peers_never_learn_their_own_estimate",
+        "decoding/tree_sizing.py",
+        "if vote is not None and not _measured(branch, depth):",
+        "if vote is not None:",
+        ("tests/test_tree_sizing.py::test_a_branch_that_keeps_failing_stops_being_grown",),
+    ),
+    Mutation(
+        "changed_calls_take_values_from_error_messages",
+        "agent/call_rules.py",
+        "(result.content for result in executed.values() if result.ok)",
+        "(result.content for result in executed.values())",
+        ("tests/test_repeat_deviation.py::test_an_error_message_is_no_value_a_changed_call_may_take",),
     ),
     Mutation(
         "cut_words_pour_into_the_first_letter",
